@@ -1,0 +1,177 @@
+"""Engine and speculation configuration: frozen dataclasses with validation.
+
+`SpeculativeConfig` takes the JSON keys vLLM users already know (`--speculative-config`, DESIGN.md
+section 4). Unknown keys and methods we do not run are errors naming the valid choices; there is no
+silent fallback to "no speculation".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Raised for an invalid engine or speculative configuration; the message says what is valid."""
+
+
+# Methods that run in this engine. Others that vLLM users may name are refused with a clear error.
+SUPPORTED_METHODS = ("ngram", "suffix", "draft_model")
+KNOWN_UNSUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One speculation setting (a 'profile' is a named one of these).
+
+    Attributes:
+        method: "ngram" (prompt lookup), "suffix" (SuffixDecoding, Oliaro et al. 2024) or "draft_model".
+        num_speculative_tokens: k, the drafts proposed per step (>= 1).
+        model: draft model name / path (draft_model only).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
+        suffix_decoding_max_tree_depth: longest suffix matched and deepest speculation (suffix only).
+        suffix_decoding_max_cached_requests: finished requests kept in the global tree (suffix only).
+        suffix_decoding_max_spec_factor: drafts <= factor * match length (suffix only).
+        suffix_decoding_min_token_prob: stop extending a draft below this estimated probability (suffix only).
+        draft_tensor_parallel_size: accepted for vLLM compatibility; only 1 is supported.
+        num_speculative_tokens_per_batch_size: optional list of [max_batch_size, k] pairs; a step with
+            batch size b uses the k of the first pair with b <= max_batch_size (0 turns speculation off).
+    """
+
+    method: str
+    num_speculative_tokens: int = 5
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    draft_tensor_parallel_size: int = 1
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        m = self.method
+        if m in KNOWN_UNSUPPORTED_METHODS:
+            raise ConfigError(
+                f"speculative method {m!r} is not supported yet; supported methods: {', '.join(SUPPORTED_METHODS)}"
+            )
+        if m not in SUPPORTED_METHODS:
+            raise ConfigError(f"unknown speculative method {m!r}; supported methods: {', '.join(SUPPORTED_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        if m == "draft_model" and not self.model:
+            raise ConfigError('method "draft_model" needs "model": the draft model name or path')
+        if m != "draft_model" and self.model:
+            raise ConfigError(f'"model" is only used by method "draft_model", not {m!r}')
+        if m == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ConfigError("suffix_decoding_max_tree_depth must be >= 1")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError("suffix_decoding_max_cached_requests must be >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ConfigError("suffix_decoding_max_spec_factor must be > 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if self.draft_tensor_parallel_size != 1:
+            raise ConfigError("draft_tensor_parallel_size other than 1 is not supported (single device engine)")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            pairs = tuple(tuple(int(x) for x in p) for p in self.num_speculative_tokens_per_batch_size)
+            for p in pairs:
+                if len(p) != 2 or p[0] < 1 or not 0 <= p[1] <= self.num_speculative_tokens:
+                    raise ConfigError(
+                        "num_speculative_tokens_per_batch_size must be a list of [max_batch_size >= 1, "
+                        f"0 <= k <= num_speculative_tokens] pairs, got {p!r}"
+                    )
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size", tuple(sorted(pairs)))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SpeculativeConfig | None":
+        """Build from vLLM-shaped keys. None or {} (or method "none"/"baseline") means no speculation.
+
+        Raises:
+            ConfigError: unknown key (naming the valid ones), missing method, unsupported method, bad value.
+        """
+        if not d:
+            return None
+        if not isinstance(d, dict):
+            raise ConfigError(f"speculative config must be a JSON object, got {type(d).__name__}")
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - valid)
+        if unknown:
+            raise ConfigError(f"unknown speculative config key(s) {unknown}; valid keys: {sorted(valid)}")
+        if "method" not in d:
+            raise ConfigError(f'speculative config needs "method" (one of {", ".join(SUPPORTED_METHODS)})')
+        if d["method"] in (None, "none", "baseline"):
+            return None
+        try:
+            return cls(**d)
+        except TypeError as e:  # wrong value types that dataclass construction trips on
+            raise ConfigError(f"invalid speculative config: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpeculativeConfig | None":
+        """Parse `--speculative-config` JSON text. Raises ConfigError for invalid JSON or values."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    def k_for_batch_size(self, batch_size: int) -> int:
+        """The number of drafts to propose this step for a decode batch of `batch_size` requests."""
+        if self.num_speculative_tokens_per_batch_size:
+            for max_bs, k in self.num_speculative_tokens_per_batch_size:
+                if batch_size <= max_bs:
+                    return k
+            return 0
+        return self.num_speculative_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """The non-default keys plus method and k, JSON-ready."""
+        out = {}
+        defaults = {f.name: f.default for f in fields(self)}
+        for k, v in asdict(self).items():
+            if k in ("method", "num_speculative_tokens") or v != defaults[k]:
+                out[k] = v
+        return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide settings.
+
+    Attributes:
+        model: catalog name, local Hugging Face folder or .gguf path (resolved by `specserve.models`).
+        dtype: "float32", "bfloat16" or "float16"; "auto" = float32 on CPU, bfloat16 on CUDA.
+        device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).
+        max_model_len: context length in tokens (prompt + output); None = the model's own limit, capped at 4096.
+        max_num_seqs: most requests running at once (KV cache slots).
+        max_num_batched_tokens: token budget of one step (prefill chunks + 1 + k per decoding request).
+        speculative_config: engine-wide default speculation (None = off); requests may choose another.
+        seed: seed for requests that give none (for reproducible runs of a whole engine).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    speculative_config: SpeculativeConfig | None = None
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 16:
+            raise ConfigError("max_num_batched_tokens must be >= 16")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")

@@ -1,0 +1,322 @@
+"""The engine: requests in, tokens out, one step at a time.
+
+A step is: schedule -> propose drafts -> one target forward -> sample and verify -> commit (stop checks
+per token) and roll back the rejected KV. Speculation is a per-request choice (each request carries its
+own `SpeculativeConfig` or None), so one engine over one copy of the target serves any mix of methods
+and k in one batch. Not thread-safe: a server drives it from one thread (`specserve.server`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.model_runner import ModelRunner, SeqInput
+from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.engine.stop import commit_tokens, visible_text_len
+from specserve.model.loader import DTYPES, load_model
+from specserve.outputs import RequestOutput, SpecStats
+from specserve.request import Request, RequestStatus
+from specserve.sample.sampler import needs_processing, sample_request
+from specserve.sampling_params import SamplingParams
+from specserve.spec import make_proposer, proposer_key
+from specserve.spec.proposer import ProposalInput, Proposer
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT: Any = object()  # "use the engine's default speculative config"
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (empty or too long prompt, duplicate id, bad token ids)."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """ "auto" -> cuda when available, else cpu. Raises RuntimeError when cuda is asked but absent."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """ "auto" -> float32 on CPU, bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return DTYPES[dtype]
+
+
+class LoadedModel:
+    """A model, its tokenizer and its KV cache on one device (the target, or a draft model)."""
+
+    def __init__(self, spec: str, dtype: str, device: str, max_model_len: int | None, num_slots: int):
+        from transformers import AutoTokenizer
+
+        from specserve.models import resolve_model
+
+        self.files = resolve_model(spec)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        from specserve.model.config import ModelConfig
+
+        cfg = ModelConfig.from_folder(self.files.path)
+        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+        self.model, self.config = load_model(self.files.path, self.dtype, self.device, self.max_model_len)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files.path))
+        self.kv = KVCache(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.max_model_len, self.dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+
+
+class LLMEngine:
+    """Continuous-batching engine with per-request speculative decoding.
+
+    Args:
+        config: EngineConfig (model, dtype, device, max_model_len, max_num_seqs, token budget, default
+            speculative config, seed).
+
+    Raises:
+        specserve.models.ModelError, ModelConfigError, WeightLoadError: the model cannot be loaded.
+        ConfigError: invalid speculative config (e.g. a draft model with another vocabulary).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.target = LoadedModel(config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs)
+        self.tokenizer = self.target.tokenizer
+        self.model_name = self.target.files.name
+        self.model_checksum = self.target.files.checksum
+        self.max_model_len = self.target.max_model_len
+        self.device = self.target.device
+        self.eos_token_ids = tuple(self.target.config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        self.scheduler = Scheduler(self.target.kv, config.max_num_batched_tokens, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._proposers: dict[Any, Proposer] = {}
+        self._seed_stream = random.Random(config.seed)
+        self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
+        self.num_steps = 0
+        if config.speculative_config is not None:
+            self.prepare_speculative_config(config.speculative_config)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokenize a raw completion prompt (the tokenizer adds BOS where the model expects one)."""
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the model's chat template with a generation prompt, then tokenize.
+
+        Raises:
+            RequestError: the tokenizer has no chat template.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(f"model {self.model_name} has no chat template; use a completion prompt")
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prepare_speculative_config(self, spec: SpeculativeConfig) -> Proposer:
+        """Create (once) the proposer for `spec`; profiles differing only in k share it."""
+        key = proposer_key(spec)
+        if key not in self._proposers:
+            self._proposers[key] = make_proposer(spec, engine=self)
+        return self._proposers[key]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        speculative_config: SpeculativeConfig | None = _DEFAULT,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            prompt: text (tokenized with `encode_prompt`) or token ids.
+            speculative_config: omit for the engine default; None turns speculation off for this request.
+
+        Raises:
+            RequestError: duplicate id, empty prompt, token ids outside the vocabulary, or a prompt that
+                leaves no room for one output token within max_model_len.
+        """
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.target.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) + 1 > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "(prompt + at least 1 output token)"
+            )
+        spec = self.config.speculative_config if speculative_config is _DEFAULT else speculative_config
+        if spec is not None:
+            self.prepare_speculative_config(spec)
+        seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
+        req = Request(request_id, ids, params, spec, random.Random(seed))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request and free its KV slot now; the next step() reports it with finish_reason
+        "abort". Unknown or finished ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        req.finish_reason = "abort"
+        self._finish(req)
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    def stats(self) -> dict:
+        """Live gauges: running/waiting requests, KV cache usage (0..1) and tokens held."""
+        kv = self.target.kv
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.usage,
+            "num_kv_tokens": kv.num_used_tokens,
+            "num_free_slots": kv.num_free_slots,
+        }
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that advanced or finished."""
+        outputs = [self._make_output(r) for r in self._aborted]
+        self._aborted.clear()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        now = time.monotonic()
+        for s in scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        self._propose([s for s in scheduled if s.max_drafts > 0])
+        logits = self.target.runner.forward([self._seq_input(s) for s in scheduled])
+        outputs += self._verify_and_commit(scheduled, logits)
+        self.num_steps += 1
+        return outputs
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> None:
+        by_proposer: dict[Any, list[ScheduledRequest]] = {}
+        for s in scheduled:
+            by_proposer.setdefault(proposer_key(s.request.spec), []).append(s)
+        for key, group in by_proposer.items():
+            inputs = [
+                ProposalInput(s.request.request_id, s.request.all_token_ids, s.request.num_prompt_tokens,
+                              s.max_drafts, s.request.params)
+                for s in group
+            ]
+            for s, prop in zip(group, self._proposers[key].propose(inputs)):
+                s.request.drafts = list(prop.token_ids[: s.max_drafts])
+                s.request.draft_probs = prop.draft_probs[: len(s.request.drafts)] if prop.draft_probs is not None else None
+
+    @staticmethod
+    def _seq_input(s: ScheduledRequest) -> SeqInput:
+        r = s.request
+        if s.is_prefill:
+            start = r.num_computed_tokens
+            return SeqInput(r.slot, start, r.all_token_ids[start : start + s.num_prefill_tokens], int(s.samples))
+        return SeqInput(r.slot, r.num_computed_tokens, [r.all_token_ids[-1]] + r.drafts, 1 + len(r.drafts))
+
+    def _verify_and_commit(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
+        rows_per = [(1 + len(s.request.drafts)) if not s.is_prefill else int(s.samples) for s in scheduled]
+        fast = any(s.request.params.greedy and not needs_processing(s.request.params, s.request.num_output_tokens)
+                   for s in scheduled)
+        argmax_all = logits.argmax(-1).tolist() if fast else None
+        outputs, row = [], 0
+        stop_ids_cache: dict[int, list[int]] = {}
+        for s, n_rows in zip(scheduled, rows_per):
+            r = s.request
+            if s.is_prefill:
+                r.num_computed_tokens += s.num_prefill_tokens
+            if n_rows == 0:
+                continue
+            p = r.params
+            stop_ids = stop_ids_cache.setdefault(id(p), ([] if p.ignore_eos else list(self.eos_token_ids)) + p.stop_token_ids)
+            res = sample_request(
+                logits[row : row + n_rows], p, r.prompt_token_ids, r.output_token_ids, r.drafts, r.draft_probs,
+                stop_ids, r.generator, argmax_all[row : row + n_rows] if argmax_all is not None else None,
+            )
+            row += n_rows
+            outputs.append(self._commit(r, res, s.is_prefill))
+        return outputs
+
+    def _commit(self, r: Request, res, was_prefill: bool) -> RequestOutput:
+        n = commit_tokens(r, res.token_ids, res.logprobs, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+        if not was_prefill:
+            accepted = min(res.num_accepted, n)  # drafts after a stop are not counted (cases B10)
+            if r.drafts:
+                self._count_spec(r, len(r.drafts), accepted, n)
+            r.num_computed_tokens += 1 + accepted
+            self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
+        r.drafts, r.draft_probs = [], None
+        if r.finish_reason is not None:
+            self._finish(r)
+        return self._make_output(r)
+
+    def _count_spec(self, r: Request, num_draft: int, accepted: int, committed: int) -> None:
+        step = SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed)
+        r.spec_stats.add(step)
+        self.spec_stats.setdefault(r.spec.method, SpecStats()).add(step)
+
+    def _finish(self, r: Request) -> None:
+        r.status = RequestStatus.FINISHED
+        r.finished_time = time.monotonic()
+        self.scheduler.remove(r)
+        if r.spec is not None:
+            self._proposers[proposer_key(r.spec)].finish_request(r.request_id, r.all_token_ids)
+        self.requests.pop(r.request_id, None)
+
+    def _make_output(self, r: Request) -> RequestOutput:
+        out_ids = r.output_token_ids
+        new_ids = out_ids[r.emitted_token_len :]
+        vis = visible_text_len(r)
+        new_text = r.text[r.emitted_text_len : vis] if vis > r.emitted_text_len else ""
+        new_lps = r.logprobs[r.emitted_token_len :] if r.logprobs is not None else None
+        r.emitted_token_len = len(out_ids)
+        r.emitted_text_len = max(vis, r.emitted_text_len)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=new_lps,
+            token_ids=list(out_ids),
+            text=r.text,
+            logprobs=list(r.logprobs) if r.logprobs is not None else None,
+            finished=r.finished,
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+            spec=r.spec_stats,
+            metrics={
+                "arrival": r.arrival_time,
+                "first_scheduled": r.first_scheduled_time,
+                "first_token": r.first_token_time,
+                "finished": r.finished_time,
+            },
+        )

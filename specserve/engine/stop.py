@@ -1,0 +1,115 @@
+"""Commit tokens to a request one by one, with every per-token check (shared/cases B02, B03, B06, B07).
+
+What it does: for each token of a verified block, in order: append it (and its logprob), then check
+EOS, stop token ids, stop strings (on incrementally detokenized text), max_tokens and the context
+length; the first condition that holds finishes the request and the rest of the block is dropped.
+Nothing after a stop reaches the text, the token ids, the logprobs or the usage counts.
+What it does not do: touch the KV cache or the speculation counters (the engine does, using the
+returned count of committed tokens).
+
+Policy (the same with and without speculation): an EOS or stop token id that ends a request is kept in
+`token_ids` (and counted in usage) but not in the text; a stop string is cut from the text, and the
+token that completed it is the last token id returned.
+"""
+
+from __future__ import annotations
+
+from specserve.outputs import TokenLogprob
+from specserve.request import Request
+
+
+def _decode(tokenizer, ids: list[int], skip_special: bool) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+
+
+def detokenize_incrementally(tokenizer, req: Request) -> str:
+    """Text added by the newest token of `req.all_token_ids` (vLLM's prefix/read offset scheme).
+
+    Returns "" while the newest bytes do not yet form a complete character (U+FFFD at the end).
+    """
+    ids = req.all_token_ids
+    skip = req.params.skip_special_tokens
+    prefix_text = _decode(tokenizer, ids[req.prefix_offset : req.read_offset], skip)
+    new_text = _decode(tokenizer, ids[req.prefix_offset :], skip)
+    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        return new_text[len(prefix_text) :]
+    return ""
+
+
+def _check_stop_strings(req: Request, new_text_len: int) -> bool:
+    """Cut req.text at the first stop string that the newest text completed. True if one did."""
+    stops = req.params.stop
+    if not stops or not new_text_len:
+        return False
+    longest = max(len(s) for s in stops)
+    start = max(len(req.text) - new_text_len - longest + 1, 0)
+    best = None
+    for s in stops:
+        i = req.text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return False
+    req.text = req.text[: best[0]]
+    req.finish_reason, req.stop_reason = "stop", best[1]
+    return True
+
+
+def commit_tokens(
+    req: Request,
+    token_ids: list[int],
+    logprobs: list[TokenLogprob] | None,
+    tokenizer,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+) -> int:
+    """Append tokens to `req` until one finishes it.
+
+    Args:
+        token_ids: verified tokens in order (accepted drafts + recovered/bonus).
+        logprobs: their logprobs, or None.
+        eos_token_ids: the model's EOS ids (ignored when params.ignore_eos).
+
+    Returns:
+        How many of `token_ids` were committed (the rest are dropped). `req.finish_reason` is set when
+        the request finished.
+    """
+    p = req.params
+    for i, t in enumerate(token_ids):
+        req.all_token_ids.append(t)
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs[i])
+        n_out = req.num_output_tokens
+        if (t in eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
+            if n_out > p.min_tokens:  # the sampler masks stop ids below min_tokens; this is a guard
+                req.finish_reason = "stop"
+                req.stop_reason = t if t in p.stop_token_ids else None
+                # the stop token is kept in token_ids but produces no text
+                req.prefix_offset = req.read_offset = len(req.all_token_ids)
+                return i + 1
+        delta = detokenize_incrementally(tokenizer, req)
+        req.text += delta
+        if n_out >= p.min_tokens and _check_stop_strings(req, len(delta)):
+            return i + 1
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            req.finish_reason = "length"
+            return i + 1
+        if len(req.all_token_ids) >= max_model_len:
+            req.finish_reason = "length"
+            return i + 1
+    return len(token_ids)
+
+
+def visible_text_len(req: Request) -> int:
+    """How much of req.text may be streamed now: all of it once finished, otherwise all but the
+    longest tail that could still grow into a stop string (so no stop-string prefix is sent early)."""
+    if req.finish_reason is not None or not req.params.stop:
+        return len(req.text)
+    hold = 0
+    for s in req.params.stop:
+        for n in range(min(len(s) - 1, len(req.text)), hold, -1):
+            if req.text.endswith(s[:n]):
+                hold = n
+                break
+    return len(req.text) - hold

@@ -1,0 +1,123 @@
+"""Offline batch generation, shaped like vLLM's `LLM` so its users know it.
+
+    from specserve import LLM, SamplingParams
+    llm = LLM(model="qwen2.5-coder-0.5b-instruct", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
+    print(out[0].outputs[0].text)
+
+What it does: builds an `LLMEngine`, feeds it all prompts at once (continuous batching does the rest)
+and collects finished outputs in prompt order. What it does not do: serve over HTTP (`specserve.server`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.llm_engine import _DEFAULT, LLMEngine
+from specserve.outputs import CompletionOutput, GenerationOutput, RequestOutput
+from specserve.sampling_params import SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Parameters of completion `index` of an n > 1 request: n = 1, and seed s becomes s + index so the
+    n completions differ but stay reproducible."""
+    seed = params.seed + index if params.seed is not None else None
+    return params.clone(n=1, seed=seed)
+
+
+class LLM:
+    """An engine for offline use.
+
+    Args:
+        model: catalog name, Hugging Face folder or .gguf path.
+        speculative_config: vLLM-shaped dict (or SpeculativeConfig) used by every request by default.
+        **kwargs: other EngineConfig fields (dtype, device, max_model_len, max_num_seqs, ...).
+
+    Raises:
+        ConfigError, ModelError: see LLMEngine.
+    """
+
+    def __init__(self, model: str, speculative_config: dict | SpeculativeConfig | None = None, **kwargs: Any):
+        spec = speculative_config
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig.from_dict(spec)
+        self.engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, **kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        speculative_config: dict | SpeculativeConfig | None = _DEFAULT,
+        use_tqdm: bool = False,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt; one GenerationOutput per prompt, in order.
+
+        Args:
+            prompts: a string, strings, or token id lists.
+            sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+            speculative_config: override the engine default for these requests (None = no speculation).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        plist = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        spec = SpeculativeConfig.from_dict(speculative_config) if isinstance(speculative_config, dict) else speculative_config
+        return self._run(prompts, plist, spec, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[GenerationOutput]:
+        """Like `generate`, for chat conversations (the model's chat template with a generation prompt)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.engine.encode_chat(c) for c in convs], sampling_params, **kwargs)
+
+    def _run(self, prompts, plist, spec, use_tqdm) -> list[GenerationOutput]:
+        eng = self.engine
+        groups: list[tuple[str, Any, list[str]]] = []
+        for prompt, params in zip(prompts, plist):
+            rid = str(self._next_id)
+            self._next_id += 1
+            children = []
+            for i in range(params.n):
+                cid = f"{rid}-{i}" if params.n > 1 else rid
+                eng.add_request(cid, prompt, child_params(params, i), speculative_config=spec)
+                children.append(cid)
+            groups.append((rid, prompt, children))
+        done: dict[str, RequestOutput] = {}
+        total = sum(len(c) for _, _, c in groups)
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        results = []
+        for rid, prompt, children in groups:
+            first = done[children[0]]
+            comps = []
+            for i, cid in enumerate(children):
+                o = done[cid]
+                comps.append(CompletionOutput(
+                    index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason, logprobs=o.logprobs, num_drafts=o.spec.num_drafts,
+                    num_draft_tokens=o.spec.num_draft_tokens, num_accepted_tokens=o.spec.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=list(o.spec.num_accepted_tokens_per_pos),
+                ))
+            results.append(GenerationOutput(rid, prompt if isinstance(prompt, str) else None, first.prompt_token_ids, comps))
+        return results

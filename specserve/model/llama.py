@@ -1,0 +1,186 @@
+"""Decoder-only transformer of the Llama family (Llama, SmolLM2, Qwen2/2.5, Qwen3) in plain PyTorch.
+
+What it does: the forward pass over a flat, ragged batch of new tokens (prefill chunks and verify
+blocks of several requests at once), reading and writing a slot-based KV cache, and returning logits
+only for the rows the sampler needs. Parameter names follow Hugging Face, so checkpoints load as they
+are; q/k/v and gate/up are fused at load time (`fuse_projections`) for fewer matmuls.
+What it does not do: sampling, scheduling, or owning the cache (it is passed in).
+
+Reference: Touvron et al. 2023 (Llama), RoPE (Su et al. 2021), GQA (Ainslie et al. 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.model.attention import AttentionMetadata, cached_attention
+from specserve.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like the reference implementation."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE with a precomputed cos/sin table of [max_positions, head_dim]."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim], positions: [T] -> rotated x (same shape and dtype)."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.family == "qwen3":
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None
+        self.scale = d**-0.5
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one fused Linear (same math, one matmul)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features, bias=q.bias is not None)
+        fused = fused.to(device=q.weight.device, dtype=q.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            if q.bias is not None:
+                fused.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
+        cfg = self.cfg
+        T = x.shape[0]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(
+                [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], -1
+            )
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.family == "qwen3":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, meta.positions), rope(k, meta.positions)
+        out = cached_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace gate/up projections by one fused Linear."""
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False).to(device=g.weight.device, dtype=g.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([g.weight, u.weight]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Hugging Face's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+
+
+class CausalLM(nn.Module):
+    """The whole model: `forward(input_ids, meta, kv, logits_rows) -> logits`.
+
+    Args (forward):
+        input_ids: int64 [T], the step's new tokens of all requests, request after request.
+        meta: `AttentionMetadata` for those tokens.
+        kv: object with `.k[layer]`, `.v[layer]` cache tensors [num_slots, num_kv_heads, max_len, head_dim].
+        logits_rows: int64 [R], which of the T rows need logits (the sampler's rows).
+
+    Returns:
+        float32 logits [R, vocab_size].
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg, max_positions)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up projections of every layer (call after loading weights)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    @torch.inference_mode()
+    def forward(self, input_ids, meta, kv, logits_rows):
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, kv.k[i], kv.v[i], meta)
+        x = self.model.norm(x[logits_rows])
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, w).float()

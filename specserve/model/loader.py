@@ -1,0 +1,78 @@
+"""Load a Hugging Face model folder (config.json + *.safetensors) into our `CausalLM`.
+
+What it does: builds the module on the meta device (no throwaway random init), assigns the checkpoint
+tensors in the requested dtype/device, handles tied embeddings, and fuses projections. What it does
+not do: download or convert models (see `specserve.models`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specserve.model.config import ModelConfig
+from specserve.model.llama import CausalLM, RotaryEmbedding
+
+
+class WeightLoadError(RuntimeError):
+    """The checkpoint does not match the architecture (missing or unexpected tensors, wrong shapes)."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _safetensor_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def load_model(
+    folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[CausalLM, ModelConfig]:
+    """Build the model from `folder` in `dtype` on `device`.
+
+    Args:
+        max_positions: size of the RoPE table (the engine's max_model_len).
+
+    Returns:
+        (model in eval mode with fused projections, its ModelConfig).
+
+    Raises:
+        ModelConfigError: unsupported architecture. WeightLoadError: checkpoint mismatch.
+    """
+    folder = Path(folder)
+    cfg = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    expected = {k: v for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for f in _safetensor_files(folder):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                if name not in expected:
+                    if "rotary_emb" in name:
+                        continue
+                    raise WeightLoadError(f"unexpected tensor {name!r} in {f.name}")
+                t = st.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[name].shape):
+                    raise WeightLoadError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(expected[name].shape)}")
+                state[name] = t.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise WeightLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.load_state_dict(state, assign=True, strict=True)
+    model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)
+    model.fuse_projections()
+    model.eval()
+    return model, cfg

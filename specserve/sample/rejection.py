@@ -1,0 +1,96 @@
+"""Speculative verification: which drafts the target accepts, and the recovered or bonus token.
+
+The readable reference (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"):
+
+- n drafts d_1..d_n, target distributions p_0..p_n (row j is the target's distribution for the token
+  after the last committed token and d_1..d_j), draft distributions q_1..q_n the drafts were sampled
+  from (None = one-hot: the draft was deterministic, q(d_j) = 1).
+- greedy: accept d_j while d_j == argmax p_{j-1}; the first mismatch is replaced by argmax p_{j-1}
+  (the recovered token); if all n are accepted, argmax p_n is the bonus token.
+- sampled: accept d_j with probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection sample
+  the recovered token from norm(max(0, p_{j-1} - q_j)) (for one-hot q: p_{j-1} with d_j removed); if all
+  are accepted, sample the bonus token from p_n. Each committed token is then distributed exactly as
+  the target's.
+
+Every random number comes from `uniform()`, the request's own stream, so a seeded request is
+reproducible alone or in any batch, on any device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample from probs [V] (need not be normalized) with a uniform u in [0, 1).
+
+    Raises:
+        ValueError: all probabilities are zero.
+    """
+    cdf = torch.cumsum(probs.double(), dim=0)
+    total = float(cdf[-1])
+    if not total > 0.0:
+        raise ValueError("cannot sample from an all-zero distribution")
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64, device=cdf.device), right=True))
+    idx = min(idx, probs.shape[0] - 1)
+    while float(probs[idx]) <= 0.0 and idx > 0:  # floating-point edge at the very top of the CDF
+        idx -= 1
+    return idx
+
+
+def greedy_verify(draft_ids: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
+    """Greedy verification.
+
+    Args:
+        draft_ids: n drafts.
+        target_argmax: n + 1 ints, argmax of the (processed) target logits per row.
+
+    Returns:
+        (tokens to commit = accepted drafts + recovered/bonus token, number of accepted drafts).
+    """
+    a = 0
+    while a < len(draft_ids) and draft_ids[a] == target_argmax[a]:
+        a += 1
+    return draft_ids[:a] + [target_argmax[a]], a
+
+
+def rejection_sample(
+    draft_ids: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniform: Callable[[], float],
+) -> tuple[list[int], int]:
+    """Lossless speculative sampling for one request.
+
+    Args:
+        draft_ids: n drafts.
+        target_probs: [n + 1, V] target distributions (after temperature, top-k/top-p/min-p, penalties).
+        draft_probs: [n, V] distributions the drafts were drawn from, or None for one-hot drafts.
+        uniform: returns a fresh U[0, 1) draw from the request's stream.
+
+    Returns:
+        (tokens to commit = accepted drafts + recovered/bonus token, number of accepted drafts).
+    """
+    n = len(draft_ids)
+    if n:
+        idx = torch.arange(n, device=target_probs.device)
+        d = torch.tensor(draft_ids, device=target_probs.device)
+        p_d = target_probs[idx, d].tolist()
+        q_d = draft_probs[idx, d].tolist() if draft_probs is not None else [1.0] * n
+    for j in range(n):
+        if uniform() * q_d[j] < p_d[j]:  # accept with probability min(1, p/q)
+            continue
+        if draft_probs is None:
+            residual = target_probs[j].clone()
+            residual[draft_ids[j]] = 0.0
+        else:
+            residual = torch.clamp(target_probs[j] - draft_probs[j].to(target_probs.dtype), min=0.0)
+        if not float(residual.sum()) > 0.0:
+            # p <= q everywhere with equal mass means p == q: a rejection has probability 0 and only a
+            # rounding edge gets here; p itself is then the right distribution.
+            residual = target_probs[j]
+        return draft_ids[:j] + [sample_from(residual, uniform())], j
+    return list(draft_ids) + [sample_from(target_probs[n], uniform())], n

@@ -1,0 +1,68 @@
+"""The proposer interface: what every draft source (n-gram, suffix tree, draft model) implements.
+
+A proposer guesses up to k next tokens for each request of a decode step. The engine verifies them
+with one target forward and commits what the rejection sampler accepts. A proposer never changes a
+request; it only reads the committed token ids. Per-request state it keeps (a suffix tree, a draft
+KV cache) is keyed by request id and dropped in `finish_request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ProposalInput:
+    """One request's view for drafting.
+
+    Attributes:
+        request_id: unique id of the request.
+        token_ids: prompt + committed output token ids (the last one is not yet in the target KV cache).
+            The proposer must not mutate it.
+        num_prompt_tokens: how many of `token_ids` are prompt.
+        k: the most drafts to return (>= 1), already capped so that the step cannot pass max_tokens or
+            the context length.
+        sampling_params: the request's sampling parameters (a draft model samples with them).
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    k: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class Proposal:
+    """Drafts for one request.
+
+    Attributes:
+        token_ids: 0..k proposed token ids, in order.
+        draft_probs: float32 tensor [len(token_ids), vocab_size] with the distribution q each draft was
+            sampled from (rows sum to 1), or None when the drafts are deterministic (one-hot q: n-gram,
+            suffix, a greedy draft model). The rejection sampler needs the exact q the draft was drawn from.
+    """
+
+    token_ids: list[int]
+    draft_probs: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """A draft source. Implementations: NgramProposer, SuffixProposer, DraftModelProposer."""
+
+    method: str
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
+        """Drafts for each input, in the same order; a Proposal may hold fewer than k (or zero) tokens."""
+        ...
+
+    def finish_request(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request finished or was aborted: drop its state (a suffix proposer may keep its output
+        in a global cache of recent requests). Must not fail for an id it never saw."""
+        ...
