@@ -226,7 +226,7 @@ class LLMEngine:
         for key, group in by_proposer.items():
             inputs = [
                 ProposalInput(s.request.request_id, s.request.all_token_ids, s.request.num_prompt_tokens,
-                              s.max_drafts, s.request.params)
+                              s.max_drafts, s.request.params, s.request.generator)
                 for s in group
             ]
             for s, prop in zip(group, self._proposers[key].propose(inputs)):

@@ -8,6 +8,7 @@ KV cache) is keyed by request id and dropped in `finish_request`.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -28,6 +29,8 @@ class ProposalInput:
         k: the most drafts to return (>= 1), already capped so that the step cannot pass max_tokens or
             the context length.
         sampling_params: the request's sampling parameters (a draft model samples with them).
+        rng: the request's own random stream; a sampling draft model draws from it so that seeded
+            requests stay reproducible. Deterministic proposers ignore it.
     """
 
     request_id: str
@@ -35,6 +38,7 @@ class ProposalInput:
     num_prompt_tokens: int
     k: int
     sampling_params: SamplingParams
+    rng: random.Random | None = None
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""Draft-model proposer: a smaller model with the same tokenizer guesses the next k tokens.
+
+What it does: keeps its own model, KV cache and per-request slot. Each step it rolls its cache back to
+the longest common prefix of what it has cached and the request's committed tokens (the same
+`KVCache.truncate` primitive the target uses), feeds the tokens it has not seen in one batched forward,
+then drafts k tokens autoregressively, batched over requests. Greedy requests get the draft's argmax
+(one-hot q); sampled requests get a sample from the draft's own distribution under the request's
+temperature/top-k/top-p/min-p, and that q is returned for the rejection sampler (Leviathan et al. 2023).
+A request whose context does not fit the draft's shorter context gets fewer (or no) drafts.
+What it does not do: verification, or any change to the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import ConfigError, SpeculativeConfig
+from specserve.engine.model_runner import SeqInput
+from specserve.sample.rejection import sample_from
+from specserve.sample.sampler import logits_to_probs
+from specserve.spec.proposer import Proposal, ProposalInput
+
+
+@dataclass
+class _DraftSeq:
+    slot: int
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the draft cache
+
+
+class DraftModelProposer:
+    """Drafts with a second model (e.g. qwen2.5-coder-0.5b-instruct for the 1.5b target).
+
+    Args:
+        spec: the SpeculativeConfig (method "draft_model", model = the draft's name or path).
+        engine: the LLMEngine (device, dtype, slot count and tokenizer of the target).
+
+    Raises:
+        ConfigError: the draft's tokenizer differs from the target's.
+    """
+
+    method = "draft_model"
+
+    def __init__(self, spec: SpeculativeConfig, engine):
+        from specserve.engine.llm_engine import LoadedModel
+
+        cfg = engine.config
+        self.draft = LoadedModel(spec.model, cfg.dtype, str(engine.device), engine.max_model_len, cfg.max_num_seqs)
+        if self.draft.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+            raise ConfigError(
+                f"draft model {spec.model!r} does not share the target's tokenizer; a draft must use the same vocabulary"
+            )
+        self.target_vocab = engine.target.config.vocab_size
+        self.seqs: dict[str, _DraftSeq] = {}
+
+    def _seq(self, request_id: str) -> _DraftSeq:
+        if request_id not in self.seqs:
+            self.seqs[request_id] = _DraftSeq(self.draft.kv.allocate())
+        return self.seqs[request_id]
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [R, Vd] -> [R, V_target]: extra draft ids dropped, missing ones never drafted."""
+        V = self.target_vocab
+        if logits.shape[1] >= V:
+            return logits[:, :V]
+        pad = logits.new_full((logits.shape[0], V - logits.shape[1]), float("-inf"))
+        return torch.cat([logits, pad], dim=1)
+
+    def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
+        """Up to inp.k drafts per input; see the module docstring. Shapes: draft_probs [n, V_target]."""
+        max_len = self.draft.max_model_len
+        plans = []  # (input, seq, k)
+        for inp in inputs:
+            ids = inp.token_ids
+            k = min(inp.k, max_len - len(ids))  # the draft writes positions up to len(ids) + k - 2
+            if k <= 0:
+                plans.append((inp, None, 0))
+                continue
+            seq = self._seq(inp.request_id)
+            n = 0
+            for a, b in zip(seq.cached, ids):
+                if a != b:
+                    break
+                n += 1
+            n = min(n, len(ids) - 1)  # always feed at least the newest token, to get its logits
+            self.draft.kv.truncate(seq.slot, n)
+            seq.cached = list(ids[:n])
+            plans.append((inp, seq, k))
+        active = [(inp, seq, k) for inp, seq, k in plans if k > 0]
+        drafts: dict[str, list[int]] = {inp.request_id: [] for inp in inputs}
+        qs: dict[str, list[torch.Tensor]] = {inp.request_id: [] for inp in inputs}
+        feeds = [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active]
+        step = 0
+        while active:
+            logits = self.draft.runner.forward(
+                [SeqInput(seq.slot, len(seq.cached), feed, 1) for (_, seq, _), feed in zip(active, feeds)]
+            )
+            logits = self._fit_vocab(logits)
+            greedy_rows = [i for i, (inp, _, _) in enumerate(active) if inp.sampling_params.greedy]
+            argmax = logits[greedy_rows].argmax(-1).tolist() if greedy_rows else []
+            gi = dict(zip(greedy_rows, argmax))
+            next_active, next_feeds = [], []
+            for i, ((inp, seq, k), feed) in enumerate(zip(active, feeds)):
+                seq.cached += feed
+                if i in gi:
+                    tok = gi[i]
+                else:
+                    q = logits_to_probs(logits[i : i + 1], inp.sampling_params)[0]
+                    tok = sample_from(q, inp.rng.random())
+                    qs[inp.request_id].append(q)
+                drafts[inp.request_id].append(tok)
+                if step + 1 < k:
+                    next_active.append((inp, seq, k))
+                    next_feeds.append([tok])
+            active, feeds = next_active, next_feeds
+            step += 1
+        out = []
+        for inp in inputs:
+            q = qs[inp.request_id]
+            out.append(Proposal(drafts[inp.request_id], torch.stack(q) if q else None))
+        return out
+
+    def finish_request(self, request_id: str, token_ids) -> None:
+        """Free the request's draft KV slot."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.draft.kv.free(seq.slot)
