@@ -26,6 +26,7 @@ from specserve.request import Request, RequestStatus
 from specserve.sample.sampler import needs_processing, sample_request
 from specserve.sampling_params import SamplingParams
 from specserve.spec import make_proposer, proposer_key
+from specserve.spec import draft_model as _draft_model  # noqa: F401  (registers the draft_model factory)
 from specserve.spec.proposer import ProposalInput, Proposer
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,13 @@ Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Samplin
   are accepted, sample the bonus token from p_n. Each committed token is then distributed exactly as
   the target's.
 
+- sampled with one-hot drafts (n-gram, suffix, a greedy draft): `sample_and_match` draws the target's
+  token at each row by inverse CDF from one uniform, and accepts the draft while it equals that token.
+  The acceptance probability is p(d), the same as the rule above with q(d) = 1, but the committed
+  tokens no longer depend on the drafts at all: with the same seed they are exactly the tokens the
+  target alone would sample (one uniform per committed token in both cases). So a seeded request gives
+  the same text with or without n-gram/suffix speculation, whatever the drafts were.
+
 Every random number comes from `uniform()`, the request's own stream, so a seeded request is
 reproducible alone or in any batch, on any device.
 """
@@ -55,6 +62,28 @@ def greedy_verify(draft_ids: list[int], target_argmax: list[int]) -> tuple[list[
     while a < len(draft_ids) and draft_ids[a] == target_argmax[a]:
         a += 1
     return draft_ids[:a] + [target_argmax[a]], a
+
+
+def sample_and_match(
+    draft_ids: list[int], target_probs: torch.Tensor, uniform: Callable[[], float]
+) -> tuple[list[int], int]:
+    """Lossless verification of one-hot drafts by coupling (see the module docstring).
+
+    Args:
+        draft_ids: n deterministic drafts.
+        target_probs: [n + 1, V] target distributions.
+        uniform: the request's U[0, 1) stream; exactly one draw per committed token.
+
+    Returns:
+        (tokens to commit, number of accepted drafts).
+    """
+    tokens: list[int] = []
+    for j in range(len(draft_ids) + 1):
+        t = sample_from(target_probs[j], uniform())
+        tokens.append(t)
+        if j == len(draft_ids) or t != draft_ids[j]:
+            return tokens, j
+    raise AssertionError("unreachable")
 
 
 def rejection_sample(

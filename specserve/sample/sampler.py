@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.outputs import TokenLogprob
-from specserve.sample.rejection import greedy_verify, rejection_sample
+from specserve.sample.rejection import greedy_verify, rejection_sample, sample_and_match
 from specserve.sampling_params import SamplingParams
 
 
@@ -154,6 +154,8 @@ def sample_request(
     if params.greedy:
         target_argmax = argmax if (argmax is not None and not processed) else x.argmax(-1).tolist()
         tokens, a = greedy_verify(drafts, target_argmax)
+    elif draft_probs is None:  # one-hot drafts: the committed tokens do not depend on the drafts
+        tokens, a = sample_and_match(drafts, logits_to_probs(x, params), rng.random)
     else:
         tokens, a = rejection_sample(drafts, logits_to_probs(x, params), draft_probs, rng.random)
     lps = make_logprobs(logits, tokens, params.logprobs) if params.logprobs is not None else None

@@ -20,6 +20,7 @@ from specserve.config import ConfigError, SpeculativeConfig
 from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
 from specserve.sample.sampler import logits_to_probs
+from specserve.spec import register_proposer_factory
 from specserve.spec.proposer import Proposal, ProposalInput
 
 
@@ -126,3 +127,12 @@ class DraftModelProposer:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.draft.kv.free(seq.slot)
+
+
+def _make_draft_model(config: SpeculativeConfig, engine=None, **_) -> "DraftModelProposer":
+    if engine is None:
+        raise ConfigError('method "draft_model" needs the engine (device, dtype, the target tokenizer)')
+    return DraftModelProposer(config, engine)
+
+
+register_proposer_factory("draft_model", _make_draft_model)

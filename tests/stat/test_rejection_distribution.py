@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.sample.rejection import rejection_sample
+from specserve.sample.rejection import rejection_sample, sample_and_match
 
 P = torch.tensor([0.6, 0.4])
 Q = torch.tensor([0.8, 0.2])
@@ -63,3 +63,17 @@ def test_wrong_q_is_detected():
         toks, _ = rejection_sample([0], P.repeat(2, 1), Q.repeat(1, 1), rng.random)
         c[toks[0]] += 1
     assert chisquare(c, [N * 0.6, N * 0.4]).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sample_and_match_distribution_and_acceptance(k):
+    """One-hot drafts verified by coupling: output ~ p at every position; acceptance rate = p(draft)."""
+    rng = random.Random(99 + k)
+    target = P.repeat(k + 1, 1)
+    c0, accepted = [0, 0], 0
+    for _ in range(N):
+        toks, a = sample_and_match([0] * k, target, rng.random)
+        c0[toks[0]] += 1
+        accepted += a > 0
+    assert chisquare(c0, [N * 0.6, N * 0.4]).pvalue > 0.01
+    assert abs(accepted / N - 0.6) < 0.02

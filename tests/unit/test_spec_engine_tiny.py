@@ -1,0 +1,167 @@
+"""Speculative decoding on tiny random-weight models: greedy equivalence for every method and k, alone
+and in mixed batches; stats invariants; stop/length handling inside accepted blocks; rollback.
+(shared/cases B01, B02, B06, B07, B08, B10, B25, B26 at small scale; the real-model versions live in
+tests/e2e.)"""
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.config import SpeculativeConfig
+from specserve.spec import proposer_key
+from tests.helpers.proposers import WrongProposer
+
+REPEAT = "1: I will not skip any words.\n2: I will not skip any words.\n3:"
+PROMPTS = [REPEAT, "def add(a, b):\n    return a + b\n\ndef add(a, b):", "The engine", "serving " * 12, "x"]
+GREEDY = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+K = [1, 3, 5, 8]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), max_model_len=256, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def base(llm):
+    return {p: o.outputs[0] for p, o in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=None))}
+
+
+def spec_configs(tiny_model_dir, other_tiny_dir, k):
+    return {
+        "ngram": SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=4),
+        "suffix": SpeculativeConfig("suffix", k),
+        "draft_self": SpeculativeConfig("draft_model", k, model=str(tiny_model_dir)),
+        "draft_other": SpeculativeConfig("draft_model", k, model=str(other_tiny_dir)),
+    }
+
+
+@pytest.fixture(scope="module")
+def other_tiny_dir(tmp_path_factory):
+    from tests.helpers.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-other"), arch="qwen2", seed=1)
+
+
+@pytest.mark.parametrize("k", K)
+def test_greedy_equivalence_every_method_alone_and_batched(llm, base, tiny_model_dir, other_tiny_dir, k):
+    cfgs = spec_configs(tiny_model_dir, other_tiny_dir, k)
+    for name, cfg in cfgs.items():
+        for p in PROMPTS[:2]:
+            out = llm.generate(p, SamplingParams(**GREEDY), speculative_config=cfg)[0].outputs[0]
+            assert out.token_ids == base[p].token_ids, (name, k, p)
+    # one mixed batch: every method, and requests without speculation, side by side
+    eng = llm.engine
+    plan = [(p, cfg) for p in PROMPTS for cfg in list(cfgs.values()) + [None]]
+    for i, (p, cfg) in enumerate(plan):
+        eng.add_request(f"mix{k}-{i}", p, SamplingParams(**GREEDY), speculative_config=cfg)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    for i, (p, cfg) in enumerate(plan):
+        assert done[f"mix{k}-{i}"].token_ids == base[p].token_ids, (k, cfg, p)
+    assert eng.stats()["num_kv_tokens"] == 0
+
+
+def test_self_draft_accepts_everything(llm, base, tiny_model_dir):
+    cfg = SpeculativeConfig("draft_model", 4, model=str(tiny_model_dir))
+    out = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=cfg)[0].outputs[0]
+    assert out.token_ids == base[PROMPTS[0]].token_ids
+    assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
+
+
+@pytest.mark.parametrize("first_right", [False, True])
+def test_always_wrong_drafts_roll_back_exactly(llm, base, first_right):
+    """B25: rejected drafts leave nothing behind; a follow-up request is unaffected; KV returns to 0."""
+    eng = llm.engine
+    cfg = SpeculativeConfig("ngram", 4, prompt_lookup_min=3, prompt_lookup_max=3)  # a key of its own
+    truth = {tuple(eng.encode_prompt(p)): base[p].token_ids for p in PROMPTS}
+    wrong = WrongProposer(truth, eng.target.config.vocab_size, first_right=first_right)
+    eng.prepare_speculative_config(cfg)
+    saved = eng._proposers[proposer_key(cfg)]
+    eng._proposers[proposer_key(cfg)] = wrong
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=cfg)
+    finally:
+        eng._proposers[proposer_key(cfg)] = saved
+    for p, o in zip(PROMPTS, outs):
+        c = o.outputs[0]
+        assert c.token_ids == base[p].token_ids
+        assert c.num_draft_tokens > 0
+        if first_right:
+            assert c.num_accepted_tokens == c.num_drafts
+        else:
+            assert c.num_accepted_tokens == 0
+    assert eng.stats()["num_kv_tokens"] == 0
+    again = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=None)[0].outputs[0]
+    assert again.token_ids == base[PROMPTS[0]].token_ids
+
+
+@pytest.mark.parametrize("k", K)
+def test_max_tokens_exact_inside_blocks(llm, base, tiny_model_dir, k):
+    """B07: the step's k is capped by the tokens left; every max_tokens is exact, with streaming deltas."""
+    cfg = SpeculativeConfig("draft_model", k, model=str(tiny_model_dir))  # accepts everything
+    for m in range(1, 11):
+        eng = llm.engine
+        eng.add_request("m", PROMPTS[0], SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), speculative_config=cfg)
+        streamed, last = [], None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                streamed += o.new_token_ids
+                last = o
+        assert last.finish_reason == "length" and last.token_ids == base[PROMPTS[0]].token_ids[:m] == streamed
+
+
+def test_context_end_inside_block(tiny_model_dir, base):
+    """B08: a draft block never passes max_model_len; the request ends with 'length' exactly there."""
+    llm = LLM(str(tiny_model_dir), max_model_len=64)
+    ids = llm.engine.encode_prompt(REPEAT * 4)[: 64 - 9]
+    for k in (1, 3, 8):
+        for P in (len(ids), 63, 64 - k):
+            prompt = (ids * 2)[:P]
+            cfg = SpeculativeConfig("draft_model", k, model=str(tiny_model_dir))
+            spec = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), speculative_config=cfg)[0].outputs[0]
+            ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), speculative_config=None)[0].outputs[0]
+            assert len(spec.token_ids) == 64 - P and spec.finish_reason == "length" and spec.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_stop_inside_accepted_block_and_stats(llm, base, tiny_model_dir, k):
+    """B02/B06/B10: a stop id inside an accepted block ends the request there; nothing after it is
+    returned or counted; the acceptance counters obey the invariants."""
+    cfg = SpeculativeConfig("draft_model", k, model=str(tiny_model_dir))
+    ref = base[PROMPTS[0]].token_ids
+    for p in (3, 7, 12):
+        t = ref[p]
+        first = ref.index(t)
+        for max_tokens in (first + 1, first + 3, 32):
+            out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                          stop_token_ids=[t]), speculative_config=cfg)[0].outputs[0]
+            assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
+            emitted = len(out.token_ids)
+            assert out.num_accepted_tokens <= out.num_draft_tokens
+            assert out.num_accepted_tokens <= emitted - 1
+            assert out.num_accepted_tokens + out.num_drafts >= emitted - 1  # first token comes from prefill
+            if out.num_drafts:
+                assert 1 + out.num_accepted_tokens / out.num_drafts <= k + 1
+    # control: a stop after the cap gives 'length' with exactly max_tokens tokens (B06)
+    t = ref[7]
+    if ref.index(t) == 7:
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop_token_ids=[t]),
+                           speculative_config=cfg)[0].outputs[0]
+        assert out.finish_reason == "length" and out.token_ids == ref[:5]
+
+
+def test_seeded_sampling_reproducible_under_spec(llm, tiny_model_dir, other_tiny_dir):
+    """B19: with each method a seed gives the same tokens, alone and among unseeded requests."""
+    p = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
+    for cfg in spec_configs(tiny_model_dir, other_tiny_dir, 4).values():
+        alone = llm.generate(PROMPTS[0], p, speculative_config=cfg)[0].outputs[0].token_ids
+        mixed = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+                             [SamplingParams(temperature=1.0, max_tokens=9), p, SamplingParams(temperature=0.5, max_tokens=7)],
+                             speculative_config=cfg)[1].outputs[0].token_ids
+        assert alone == mixed
+        assert llm.generate(PROMPTS[0], p.clone(seed=43), speculative_config=cfg)[0].outputs[0].token_ids != alone
+        if cfg.method in ("ngram", "suffix"):  # one-hot drafts: the same tokens as without speculation
+            assert alone == llm.generate(PROMPTS[0], p, speculative_config=None)[0].outputs[0].token_ids
