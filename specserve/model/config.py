@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,12 @@ class ModelConfig:
         cfg = json.loads((folder / "config.json").read_text())
         archs = cfg.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None and not archs:
+            family = SUPPORTED_MODEL_TYPES.get(cfg.get("model_type"))
         if family is None:
             raise ModelConfigError(
-                f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported model types: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
