@@ -1,0 +1,171 @@
+"""The `specserve` command line: one `_add_<cmd>(subparsers)` + `_cmd_<cmd>(args) -> int` pair per subcommand.
+
+To add a subcommand, write its pair (importing heavy modules inside the handler, so `specserve models`
+stays fast) and append the `_add_` function to `_COMMANDS`. Errors that are the user's to fix
+(ModelError, ConfigError, SamplingParamsError, ValueError) print one line, `specserve: error: ...`,
+and exit with status 2; there is no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+# ---- models ---------------------------------------------------------------------------------------------
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the catalog models, whether each is pulled, and where")
+    p.set_defaults(func=_cmd_models)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from specserve.models import CATALOG, cache_root, is_ready, model_dir
+
+    rows = [("NAME", "ARCH", "QUANT", "GGUF SIZE", "PULLED", "PATH")]
+    for e in CATALOG.values():
+        ready = is_ready(model_dir(e.name))
+        rows.append((e.name, e.arch, e.quant, _human_size(e.size), "yes" if ready else "no",
+                     str(model_dir(e.name)) if ready else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"\ncache: {cache_root()} (set SPECSERVE_HOME to move it); pull one with `specserve pull NAME`")
+    return 0
+
+
+# ---- pull -----------------------------------------------------------------------------------------------
+
+
+def _add_pull(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pull", help="download, verify and convert catalog models into the cache")
+    p.add_argument("names", nargs="+", metavar="NAME", help="catalog model name(s); see `specserve models`")
+    p.add_argument("--keep-gguf", action="store_true", help="keep the assembled .gguf in the cache's downloads/")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_pull)
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from specserve.models import pull
+    from specserve.models.pull import catalog_entry
+
+    for name in args.names:  # check every name before fetching anything
+        catalog_entry(name)
+    for name in args.names:
+        files = pull(name, progress=not args.quiet, keep_gguf=args.keep_gguf)
+        print(f"{files.name}\t{files.path}")
+    return 0
+
+
+# ---- serve ----------------------------------------------------------------------------------------------
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server (speculation profiles, /metrics, admin API)")
+    p.add_argument("--model", required=True, help="catalog name, Hugging Face folder or .gguf path")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='default speculation, vLLM keys, e.g. \'{"method":"ngram","num_speculative_tokens":4}\' '
+                        '(served as profile "default" with weight 1, next to "baseline")')
+    p.add_argument("--profiles", metavar="FILE",
+                   help='profiles file (JSON, or .toml): {"profiles": {name: config|null}, "weights": {name: w}}')
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    p.add_argument("--allow-profile-override", action="store_true",
+                   help="let a request pick its profile (`profile` field or x-specserve-profile header); "
+                        "without it such requests get 403")
+    p.add_argument("--admin-token", default=None,
+                   help="bearer token of the /admin API (or env SPECSERVE_ADMIN_TOKEN); without one it is off")
+    p.add_argument("--request-log", metavar="PATH", help="append one JSON line per request to PATH")
+    p.add_argument("--log-prompts", action="store_true", help="include prompt and output text in the request log")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond --max-num-seqs before new ones get 503 + Retry-After")
+    p.add_argument("--graceful-shutdown-s", type=float, default=5.0, help="time streams get to finish on shutdown")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.server.launcher import serve
+
+    return serve(args)
+
+
+# ---- bench ----------------------------------------------------------------------------------------------
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from specserve.bench.cli import add_arguments  # argparse only; the heavy imports happen in the handler
+
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server on real workload segments "
+                                     "(`bench compare A.json B.json`, `bench report summary.json`)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from specserve.bench.cli import run
+
+    return run(args)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_models, _add_pull, _add_serve, _add_bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered subcommand."""
+    from specserve import __version__
+
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference server with speculative decoding")
+    parser.add_argument("--version", action="version", version=f"specserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from specserve.config import ConfigError
+    from specserve.models import ModelError
+    from specserve.sampling_params import SamplingParamsError
+
+    return (ModelError, ConfigError, SamplingParamsError, ValueError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI. Returns the exit status: 0 ok, 2 usage or user error (one line on stderr), 130 interrupted."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("specserve: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"specserve: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one server, in their own CollectorRegistry (never the process-global one).
+
+Series (every per-request series is labelled by `profile`):
+- specserve:requests_total{profile, status, code}     status "ok" | "error" | "cancelled", code = HTTP status
+- specserve:prompt_tokens_total, specserve:generation_tokens_total
+- specserve:time_to_first_token_seconds, specserve:inter_token_latency_seconds (per token: the gap
+  between two token-bearing engine outputs, divided over the tokens the later one carries),
+  specserve:e2e_request_latency_seconds   (histograms, measured in the server from request arrival)
+- specserve:num_requests_running, specserve:num_requests_waiting, specserve:kv_cache_usage_perc (0..1),
+  specserve:num_requests_in_flight (server side, includes requests not yet handed to the engine)
+- speculation counters (DESIGN.md section 5, names mirroring vLLM's):
+  specserve:spec_decode_num_drafts_total, specserve:spec_decode_num_draft_tokens_total,
+  specserve:spec_decode_num_accepted_tokens_total, specserve:spec_decode_num_accepted_tokens_per_pos_total{position}
+  They are added when a request finishes (ok, error or cancelled), from the same `SpecStats` the
+  response body reports, so the counters equal the sum of the per-response numbers.
+What it does not do: per-step engine timings (the engine owns those) or HTTP (api.py serves `render()`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from specserve.outputs import SpecStats
+
+_LAT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, profiles: list[str] | tuple[str, ...] = (), model_name: str = ""):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("specserve:requests", "Finished completion requests", ["profile", "status", "code"],
+                                registry=r)
+        self.prompt_tokens = Counter("specserve:prompt_tokens", "Prompt tokens processed", ["profile"], registry=r)
+        self.generation_tokens = Counter("specserve:generation_tokens", "Tokens generated", ["profile"], registry=r)
+        self.ttft = Histogram("specserve:time_to_first_token_seconds", "Time to first token", ["profile"],
+                              buckets=_LAT_BUCKETS, registry=r)
+        self.itl = Histogram("specserve:inter_token_latency_seconds", "Inter-token latency (per token)",
+                             ["profile"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("specserve:e2e_request_latency_seconds", "End-to-end request latency", ["profile"],
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.running = Gauge("specserve:num_requests_running", "Requests in the engine's running batch", registry=r)
+        self.waiting = Gauge("specserve:num_requests_waiting", "Requests waiting for an engine slot", registry=r)
+        self.kv_usage = Gauge("specserve:kv_cache_usage_perc", "KV cache usage, 0..1", registry=r)
+        self.in_flight = Gauge("specserve:num_requests_in_flight", "Engine requests held by the server", registry=r)
+        self.num_drafts = Counter("specserve:spec_decode_num_drafts", "Verify steps that carried drafts",
+                                  ["profile"], registry=r)
+        self.num_draft_tokens = Counter("specserve:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                        ["profile"], registry=r)
+        self.num_accepted_tokens = Counter("specserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           ["profile"], registry=r)
+        self.num_accepted_per_pos = Counter("specserve:spec_decode_num_accepted_tokens_per_pos",
+                                            "Draft tokens accepted at each draft position",
+                                            ["profile", "position"], registry=r)
+        info = Gauge("specserve:model_info", "Served model", ["model"], registry=r)
+        info.labels(model=model_name).set(1)
+        for p in profiles:  # make every profile's series exist from the start (at zero)
+            for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                      self.prompt_tokens, self.generation_tokens):
+                c.labels(profile=p)
+
+    def observe_first_token(self, profile: str, ttft_s: float) -> None:
+        self.ttft.labels(profile=profile).observe(max(0.0, ttft_s))
+
+    def observe_tokens(self, profile: str, gap_s: float, num_tokens: int) -> None:
+        """A token-bearing output came `gap_s` after the previous one and carried `num_tokens` tokens."""
+        if num_tokens <= 0:
+            return
+        h = self.itl.labels(profile=profile)
+        per = max(0.0, gap_s) / num_tokens
+        for _ in range(num_tokens):
+            h.observe(per)
+
+    def observe_finished(
+        self,
+        *,
+        profile: str,
+        status: str,
+        code: int,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        e2e_s: float | None = None,
+        spec: SpecStats | None = None,
+    ) -> None:
+        self.requests.labels(profile=profile, status=status, code=str(code)).inc()
+        if prompt_tokens:
+            self.prompt_tokens.labels(profile=profile).inc(prompt_tokens)
+        if completion_tokens:
+            self.generation_tokens.labels(profile=profile).inc(completion_tokens)
+        if e2e_s is not None:
+            self.e2e.labels(profile=profile).observe(max(0.0, e2e_s))
+        if spec is not None:
+            self.num_drafts.labels(profile=profile).inc(spec.num_drafts)
+            self.num_draft_tokens.labels(profile=profile).inc(spec.num_draft_tokens)
+            self.num_accepted_tokens.labels(profile=profile).inc(spec.num_accepted_tokens)
+            for pos, c in enumerate(spec.num_accepted_tokens_per_pos):
+                self.num_accepted_per_pos.labels(profile=profile, position=str(pos)).inc(c)
+
+    def set_engine_stats(self, stats: dict | None, in_flight: int) -> None:
+        if stats:
+            self.running.set(stats.get("num_running", 0))
+            self.waiting.set(stats.get("num_waiting", 0))
+            self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.in_flight.set(in_flight)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

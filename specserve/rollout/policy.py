@@ -1,0 +1,143 @@
+"""Rollout policy: which speculation profile serves a request, changeable at run time.
+
+What it does:
+- `choose(sticky_key=..., requested=...)` returns a `Choice` (profile + why). An explicit request
+  (`profile` field or `x-specserve-profile` header) is honoured only when the server allows overrides
+  (else `ProfileForbidden`, a 403); an unknown name is `UnknownProfile` (400). Otherwise the profile
+  is drawn by weight. With a sticky key (the `user` field or `x-session-id` header) the draw is a
+  stable hash (blake2b of the key -> a point u in [0, 1), walked over the cumulative weights in profile
+  order), so a user stays on one profile while the weights stay the same; raising the weight of the
+  first listed profiles only moves users onto them. Without a key the draw is random.
+- `set_weights()` and `rollback()` change the weights for the NEXT request; a request that already
+  chose keeps its profile (the choice is an immutable snapshot). `rollback()` is the one rollback
+  primitive: all traffic, explicit overrides included, goes to `baseline` until weights are set again.
+Thread-safe (one lock). What it does not do: HTTP (see `admin.py`), metric-gated canaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.config import ConfigError
+from specserve.rollout.profiles import BASELINE, Profile, ProfileSet, check_weights
+
+
+class UnknownProfile(ValueError):
+    """The request named a profile this server does not have (HTTP 400)."""
+
+
+class ProfileForbidden(PermissionError):
+    """The request named a profile but the server does not allow overrides (HTTP 403)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    profile: Profile
+    reason: str  # "override" | "sticky" | "weighted" | "rollback"
+
+
+def stable_unit(key: str) -> float:
+    """A point in [0, 1) from a string, identical across processes and Python versions."""
+    h = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2.0**64
+
+
+def pick_by_point(weights: dict[str, float], u: float) -> str:
+    """The name whose cumulative-weight interval (in dict order) holds u * total."""
+    total = sum(weights.values())
+    x = u * total
+    acc = 0.0
+    last = None
+    for name, w in weights.items():
+        if w <= 0:
+            continue
+        acc += w
+        last = name
+        if x < acc:
+            return name
+    assert last is not None, "weights must have a positive entry"
+    return last
+
+
+class RolloutPolicy:
+    def __init__(self, profile_set: ProfileSet, *, allow_override: bool = False, seed: int | None = None):
+        self.profiles: dict[str, Profile] = dict(profile_set.profiles)
+        self.allow_override = allow_override
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._weights = {n: profile_set.weights.get(n, 0.0) for n in self.profiles}
+        self._rolled_back = False
+        self._version = 1
+        self._updated_at = time.time()
+
+    # ---- per request -------------------------------------------------------------------------
+
+    def choose(self, *, sticky_key: str | None = None, requested: str | None = None) -> Choice:
+        """The profile for one new request. Raises UnknownProfile / ProfileForbidden for `requested`."""
+        with self._lock:
+            if requested is not None:
+                if not self.allow_override:
+                    raise ProfileForbidden(
+                        "choosing a profile per request is disabled on this server "
+                        "(start it with --allow-profile-override)"
+                    )
+                if requested not in self.profiles:
+                    raise UnknownProfile(f"unknown profile {requested!r}; profiles: {list(self.profiles)}")
+            if self._rolled_back:
+                return Choice(self.profiles[BASELINE], "rollback")
+            if requested is not None:
+                return Choice(self.profiles[requested], "override")
+            if sticky_key:
+                return Choice(self.profiles[pick_by_point(self._weights, stable_unit(sticky_key))], "sticky")
+            return Choice(self.profiles[pick_by_point(self._weights, self._rng.random())], "weighted")
+
+    # ---- admin -------------------------------------------------------------------------------
+
+    def set_weights(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """Replace all weights (names not given get 0) and end a rollback. Raises ConfigError."""
+        clean = check_weights(weights, self.profiles)
+        with self._lock:
+            self._weights = {n: clean.get(n, 0.0) for n in self.profiles}
+            self._rolled_back = False
+            self._bump()
+        return self.state()
+
+    def rollback(self) -> dict[str, Any]:
+        """THE rollback primitive: every new request goes to baseline until set_weights()."""
+        with self._lock:
+            self._weights = {n: (1.0 if n == BASELINE else 0.0) for n in self.profiles}
+            self._rolled_back = True
+            self._bump()
+        return self.state()
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._updated_at = time.time()
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            total = sum(self._weights.values())
+            return {
+                "profiles": {n: p.describe() for n, p in self.profiles.items()},
+                "weights": dict(self._weights),
+                "fractions": {n: (w / total if total else 0.0) for n, w in self._weights.items()},
+                "rolled_back": self._rolled_back,
+                "allow_profile_override": self.allow_override,
+                "version": self._version,
+                "updated_at": self._updated_at,
+            }
+
+    @property
+    def weights(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._weights)
+
+
+__all__ = [
+    "Choice", "ConfigError", "ProfileForbidden", "RolloutPolicy", "UnknownProfile", "pick_by_point", "stable_unit",
+]

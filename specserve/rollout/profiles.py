@@ -1,0 +1,146 @@
+"""Speculation profiles: named `SpeculativeConfig`s that live side by side over one target model.
+
+What it does: loads a profiles file (JSON, or TOML when the name ends in .toml) of the shape
+
+    {"profiles": {"baseline": null,
+                  "ngram_4": {"method": "ngram", "num_speculative_tokens": 4},
+                  "draft_5": {"method": "draft_model", "model": "...", "num_speculative_tokens": 5}},
+     "weights": {"baseline": 0.9, "ngram_4": 0.1}}
+
+or builds the default set from the CLI (`baseline` plus `default` = --speculative-config). A profile
+whose config is null is "no speculation"; a set always has one named `baseline` with no speculation
+(added when the file lacks it), because rollback routes to it. Missing weights are 0; without any
+weights, the non-baseline profiles share nothing and all traffic goes to baseline.
+What it does not do: choose a profile per request (see `policy.py`) or load draft models (the engine's
+`prepare_speculative_config` does, once per config, at start-up).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specserve.config import ConfigError, SpeculativeConfig
+
+BASELINE = "baseline"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One named speculation setting. `spec` None = no speculation."""
+
+    name: str
+    spec: SpeculativeConfig | None
+
+    @property
+    def method(self) -> str:
+        return self.spec.method if self.spec else "none"
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.spec.num_speculative_tokens if self.spec else 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "config": self.spec.to_dict() if self.spec else None,
+        }
+
+
+@dataclass(frozen=True)
+class ProfileSet:
+    """The profiles of one server (insertion order kept) and their starting weights."""
+
+    profiles: dict[str, Profile]
+    weights: dict[str, float]
+
+    def __post_init__(self) -> None:
+        if BASELINE not in self.profiles or self.profiles[BASELINE].spec is not None:
+            raise ConfigError(f'profile set needs a "{BASELINE}" profile with no speculation')
+        check_weights(self.weights, self.profiles)
+
+    def unique_specs(self) -> list[SpeculativeConfig]:
+        """Distinct speculative configs, for preparing each proposer / draft model once."""
+        seen: list[SpeculativeConfig] = []
+        for p in self.profiles.values():
+            if p.spec is not None and p.spec not in seen:
+                seen.append(p.spec)
+        return seen
+
+
+def check_weights(weights: dict[str, Any], profiles: dict[str, Profile]) -> dict[str, float]:
+    """Validate a weights mapping: known names, finite numbers >= 0, positive sum. Returns floats."""
+    if not isinstance(weights, dict):
+        raise ConfigError("weights must be an object of profile name -> number")
+    out: dict[str, float] = {}
+    for name, w in weights.items():
+        if name not in profiles:
+            raise ConfigError(f"weights name unknown profile {name!r}; profiles: {list(profiles)}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 <= float(w) < float("inf")):
+            raise ConfigError(f"weight of {name!r} must be a finite number >= 0, got {w!r}")
+        out[name] = float(w)
+    if sum(out.values()) <= 0:
+        raise ConfigError("weights must not all be zero")
+    return out
+
+
+def _make_profiles(raw: dict[str, Any]) -> dict[str, Profile]:
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError('"profiles" must be a non-empty object of name -> speculative config or null')
+    profiles: dict[str, Profile] = {}
+    for name, cfg in raw.items():
+        if not _NAME_RE.match(name):
+            raise ConfigError(f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -")
+        try:
+            spec = SpeculativeConfig.from_dict(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"profile {name!r}: {e}") from None
+        if name == BASELINE and spec is not None:
+            raise ConfigError(f'profile "{BASELINE}" must have no speculation (null)')
+        profiles[name] = Profile(name, spec)
+    if BASELINE not in profiles:
+        profiles = {BASELINE: Profile(BASELINE, None), **profiles}
+    return profiles
+
+
+def profile_set_from_dict(d: dict[str, Any]) -> ProfileSet:
+    """Build from the parsed file shape above. Raises ConfigError naming what is wrong."""
+    if not isinstance(d, dict):
+        raise ConfigError("profiles file must hold an object with 'profiles' and optional 'weights'")
+    unknown = sorted(set(d) - {"profiles", "weights"})
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in profiles file; valid: ['profiles', 'weights']")
+    profiles = _make_profiles(d.get("profiles"))
+    weights = d.get("weights") or {BASELINE: 1.0}
+    weights = check_weights(weights, profiles)
+    return ProfileSet(profiles, {n: weights.get(n, 0.0) for n in profiles})
+
+
+def load_profiles(path: str | Path) -> ProfileSet:
+    """Read a profiles file (.toml via tomllib, anything else as JSON)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read profiles file {p}: {e}") from None
+    try:
+        d = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"profiles file {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+    return profile_set_from_dict(d)
+
+
+def default_profile_set(spec: SpeculativeConfig | None) -> ProfileSet:
+    """Without --profiles: `baseline`, plus `default` = --speculative-config (weight 1) when given."""
+    profiles = {BASELINE: Profile(BASELINE, None)}
+    if spec is None:
+        return ProfileSet(profiles, {BASELINE: 1.0})
+    profiles["default"] = Profile("default", spec)
+    return ProfileSet(profiles, {BASELINE: 0.0, "default": 1.0})

@@ -1,0 +1,115 @@
+"""The FastAPI application: routes, start-up/shutdown of the engine thread, error handling.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (see `serving.py`), GET /v1/models,
+GET /health (200 while the engine thread runs, else 503), GET /metrics (Prometheus text, this app's
+own registry), and the admin API under /admin (see `specserve.rollout.admin`).
+`create_app()` takes an engine object with the `LLMEngine` API (a real one, or `fake_engine.FakeEngine`
+in tests), prepares each profile's proposer once (draft models are loaded once and shared), and starts
+the engine thread when the app starts (lifespan) and stops it, cleanly, when the app stops.
+What it does not do: parse the command line or run uvicorn (see `launcher.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from specserve.metrics.prometheus import CONTENT_TYPE, ServerMetrics
+from specserve.rollout.admin import admin_router
+from specserve.rollout.policy import RolloutPolicy
+from specserve.rollout.profiles import ProfileSet, default_profile_set
+from specserve.rollout.request_log import RequestLog
+from specserve.server.async_engine import AsyncEngine
+from specserve.server.errors import BodySizeLimitMiddleware, install_error_handlers
+from specserve.server.formatting import TokenText
+from specserve.server.serving import ServerState, handle_generate
+
+logger = logging.getLogger("specserve.server")
+
+
+@dataclass
+class ServerSettings:
+    """Server options that are not engine options (CLI flags of `specserve serve`)."""
+
+    allow_profile_override: bool = False
+    admin_token: str | None = None
+    request_log: str | None = None
+    log_prompts: bool = False
+    max_queue: int | None = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    policy_seed: int | None = None
+    max_num_seqs: int | None = None  # for the queue limit; default: engine.config.max_num_seqs, else 16
+
+
+def create_app(engine: Any, profile_set: ProfileSet | None = None, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    profile_set = profile_set or default_profile_set(None)
+    for spec in profile_set.unique_specs():
+        engine.prepare_speculative_config(spec)  # before the engine thread exists: no concurrent calls
+    policy = RolloutPolicy(profile_set, allow_override=settings.allow_profile_override, seed=settings.policy_seed)
+    model_name = engine.model_name
+    state = ServerState(
+        engine=AsyncEngine(engine),
+        policy=policy,
+        metrics=ServerMetrics(list(profile_set.profiles), model_name),
+        request_log=RequestLog(settings.request_log, log_prompts=settings.log_prompts),
+        token_text=TokenText(engine.tokenizer),
+        model_name=model_name,
+        model_checksum=getattr(engine, "model_checksum", None),
+        max_num_seqs=int(settings.max_num_seqs or getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 16),
+        max_queue=settings.max_queue,
+    )
+    max_model_len = getattr(engine, "max_model_len", None)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.engine.start(asyncio.get_running_loop())
+        logger.info("serving %s with profiles %s", model_name, policy.weights)
+        try:
+            yield
+        finally:
+            state.engine.stop()
+            state.request_log.close()
+
+    app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.specserve = state
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(admin_router(policy, settings.admin_token))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle_generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle_generate(state, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "specserve",
+            "root": model_name, "max_model_len": max_model_len,
+            "specserve": {"model_checksum": state.model_checksum, "profiles": list(policy.profiles)},
+        }]}
+
+    @app.get("/health")
+    async def health():
+        if state.engine.alive:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "error": repr(state.engine.dead)}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.set_engine_stats(state.engine.stats, state.engine.in_flight)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

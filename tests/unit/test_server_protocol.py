@@ -1,0 +1,134 @@
+"""Request parsing, SamplingParams mapping, response shapes, SSE framing and Prometheus names."""
+
+import json
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from specserve.metrics.prometheus import ServerMetrics
+from specserve.outputs import SpecStats, TokenLogprob
+from specserve.rollout.profiles import Profile, profile_set_from_dict
+from specserve.sampling_params import SamplingParamsError
+from specserve.server import formatting as fmt
+from specserve.server import protocol as P
+
+
+def test_completion_defaults_and_mapping():
+    r = P.CompletionRequest.model_validate({"prompt": "hi", "stop": "x", "seed": 3, "logit_bias": {"5": -100},
+                                            "top_k": 20, "min_p": 0.1, "logprobs": 2, "n": 2})
+    sp = P.sampling_params(r)
+    assert sp.max_tokens == 16 and sp.temperature == 1.0 and sp.top_p == 1.0
+    assert sp.stop == ["x"] and sp.seed == 3 and sp.logit_bias == {5: -100.0}
+    assert sp.top_k == 20 and sp.min_p == 0.1 and sp.logprobs == 2 and sp.n == 2
+    assert P.completion_prompt(r) == "hi"
+    assert P.completion_prompt(P.CompletionRequest(prompt=[1, 2])) == [1, 2]
+    assert P.completion_prompt(P.CompletionRequest(prompt=[[1, 2]])) == [1, 2]
+    assert P.completion_prompt(P.CompletionRequest(prompt=["x"])) == "x"
+
+
+def test_chat_mapping_and_logprobs():
+    r = P.ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "max_tokens": 3, "logprobs": True, "top_logprobs": 4})
+    sp = P.sampling_params(r)
+    assert sp.max_tokens == 7 and sp.logprobs == 4
+    assert P.chat_messages(r) == [{"role": "user", "content": "ab"}]
+    assert P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])).max_tokens is None
+    assert P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                                     logprobs=True)).logprobs == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "", "max_tokens": 1}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logprobs": 30}, "logprobs"),
+])
+def test_bad_values_name_their_param(body, param):
+    r = P.CompletionRequest.model_validate(body)
+    with pytest.raises((P.RequestValueError, SamplingParamsError)) as ei:
+        P.sampling_params(r)
+        P.completion_prompt(r)
+    e = ei.value
+    got = e.param if isinstance(e, P.RequestValueError) else P.param_from_message(str(e))
+    assert got == param
+
+
+def test_wrong_types_fail_validation_and_unknown_fields_ignored():
+    for body in ({"prompt": "x", "max_tokens": "lots"}, {"prompt": 5}, {"prompt": "x", "stop": 3},
+                 {"max_tokens": 3}):
+        with pytest.raises(ValidationError):
+            P.CompletionRequest.model_validate(body)
+    assert P.CompletionRequest.model_validate({"prompt": "x", "whatever": {"a": 1}}).prompt == "x"
+    with pytest.raises(P.RequestValueError):
+        P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2))
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=False):
+        return {1: "a", 2: "é", 3: " b"}[ids[0]]
+
+
+def test_logprob_shapes():
+    tt = fmt.TokenText(_Tok())
+    lps = [TokenLogprob(1, -0.1, [(1, -0.1), (2, -2.0)]), TokenLogprob(3, -0.5, [(3, -0.5), (1, -1.0)])]
+    c = fmt.completion_logprobs(lps, tt)
+    assert c == {"tokens": ["a", " b"], "token_logprobs": [-0.1, -0.5],
+                 "top_logprobs": [{"a": -0.1, "é": -2.0}, {" b": -0.5, "a": -1.0}], "text_offset": [0, 1]}
+    assert fmt.completion_logprobs(lps[1:], tt, 1)["text_offset"] == [1]
+    ch = fmt.chat_logprobs(lps[:1], tt)
+    assert ch["refusal"] is None
+    assert ch["content"] == [{"token": "a", "logprob": -0.1, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.1, "bytes": [97]}, {"token": "é", "logprob": -2.0, "bytes": [195, 169]}]}]
+
+
+def test_specserve_block_names_and_sse():
+    st = SpecStats(2, 8, 5, [2, 2, 1, 0], 7)
+    b = fmt.specserve_block(profile_set_from_dict({"profiles": {"n": {"method": "ngram", "num_speculative_tokens": 4}}})
+                            .profiles["n"], st)
+    assert b == {"profile": "n", "method": "ngram", "num_speculative_tokens": 4, "num_drafts": 2,
+                 "num_draft_tokens": 8, "num_accepted_tokens": 5, "num_accepted_tokens_per_pos": [2, 2, 1, 0],
+                 "acceptance_rate": 5 / 8, "mean_acceptance_length": 1 + 5 / 2}
+    base = fmt.specserve_block(Profile("baseline", None), SpecStats())
+    assert base["method"] == "none" and base["acceptance_rate"] is None and base["mean_acceptance_length"] is None
+    s = fmt.sse({"a": "é"})
+    assert s.startswith("data: ") and s.endswith("\n\n") and json.loads(s[6:]) == {"a": "é"}
+    assert fmt.SSE_DONE == "data: [DONE]\n\n"
+    ck = fmt.chunk(True, "id", 1, "m", 0, text="x", finish_reason="stop", include_usage=True, spec=b)
+    assert ck["choices"][0]["delta"] == {"content": "x"} and ck["usage"] is None and ck["specserve"] == b
+    ck = fmt.chunk(False, "id", 1, "m", 2, text="y")
+    assert ck["object"] == "text_completion" and ck["choices"][0]["index"] == 2 and "usage" not in ck
+
+
+def test_metrics_names_parse_and_own_registry():
+    m1, m2 = ServerMetrics(["baseline", "ngram_4"], "m"), ServerMetrics(["baseline"], "m")
+    m1.observe_first_token("ngram_4", 0.05)
+    m1.observe_tokens("ngram_4", 0.1, 4)
+    m1.observe_finished(profile="ngram_4", status="ok", code=200, prompt_tokens=5, completion_tokens=9, e2e_s=0.3,
+                        spec=SpecStats(3, 12, 7, [3, 2, 2, 0], 10))
+    m1.observe_finished(profile="none", status="error", code=400)
+    m1.set_engine_stats({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}, 3)
+    samples = {}
+    for fam in text_string_to_metric_families(m1.render().decode()):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    p = (("profile", "ngram_4"),)
+    assert samples[("specserve:spec_decode_num_drafts_total", p)] == 3
+    assert samples[("specserve:spec_decode_num_draft_tokens_total", p)] == 12
+    assert samples[("specserve:spec_decode_num_accepted_tokens_total", p)] == 7
+    assert samples[("specserve:spec_decode_num_accepted_tokens_per_pos_total",
+                    (("position", "1"), ("profile", "ngram_4")))] == 2
+    assert samples[("specserve:spec_decode_num_drafts_total", (("profile", "baseline"),))] == 0
+    assert samples[("specserve:requests_total", (("code", "400"), ("profile", "none"), ("status", "error")))] == 1
+    assert samples[("specserve:generation_tokens_total", p)] == 9
+    assert samples[("specserve:inter_token_latency_seconds_count", p)] == 4
+    assert samples[("specserve:kv_cache_usage_perc", ())] == 0.25
+    assert samples[("specserve:num_requests_running", ())] == 2
+    assert b"ngram_4" not in m2.render()  # separate registries
