@@ -1,0 +1,36 @@
+"""Shared pytest fixtures: tiny random-weight model folders (fast) and pulled real models (skip if absent)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random qwen2 model folder (tied embeddings, q/k/v biases), vocab ~400, fp32."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random llama model folder (untied lm_head), vocab ~400, fp32."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """`real_model(name) -> ModelFiles` for a pulled catalog model; skips the test if it is not pulled.
+
+    Never downloads: the test script pulls the models first (`specserve pull NAME`).
+    """
+    from specserve.models import ModelError, resolve_model
+
+    def get(name: str):
+        try:
+            return resolve_model(name, pull_if_missing=False)
+        except ModelError as e:
+            pytest.skip(f"real model {name} is not available: {e}")
+
+    return get
