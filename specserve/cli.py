@@ -67,6 +67,70 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- generate -------------------------------------------------------------------------------------------
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text offline for one prompt, streaming it to stdout")
+    p.add_argument("--model", required=True, help="catalog name, Hugging Face folder or .gguf path")
+    p.add_argument("--prompt", required=True, help="the prompt text (a user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='vLLM keys, e.g. \'{"method":"ngram","num_speculative_tokens":4}\'')
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from specserve.config import EngineConfig, SpeculativeConfig
+    from specserve.engine.llm_engine import LLMEngine
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
+    engine = LLMEngine(EngineConfig(model=args.model, speculative_config=spec, max_model_len=args.max_model_len,
+                                    dtype=args.dtype, device=args.device))
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        prompt = engine.encode_chat(msgs)
+    else:
+        prompt = engine.encode_prompt(args.prompt)
+    engine.add_request("cli", prompt, params)
+    start = time.perf_counter()
+    first = last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids and first is None:
+                first = time.perf_counter()
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            last = out
+    end = time.perf_counter()
+    n = len(last.token_ids)
+    decode_s = end - (first or end)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    line = (f"\n[{engine.model_name} on {engine.device}: {len(prompt)} prompt tokens, {n} output tokens, "
+            f"finish={last.finish_reason}, TTFT {1000 * ((first or end) - start):.0f} ms, decode {rate:.1f} tokens/s")
+    if spec is not None:
+        acc = last.spec.mean_acceptance_length
+        line += f", {spec.method} k={spec.num_speculative_tokens}: mean acceptance length {acc:.2f}" if acc else ", no drafts"
+    print(line + "]", file=sys.stderr)
+    return 0
+
+
 # ---- serve ----------------------------------------------------------------------------------------------
 
 
@@ -126,7 +190,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # ---- main -----------------------------------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_models, _add_pull, _add_serve, _add_bench]
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_models, _add_pull, _add_generate, _add_serve, _add_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,103 @@
+"""Baseline vs candidate comparisons, within one benchmark and across two summary files.
+
+What it does: pairs groups (profile x load, averaged over repeats) with the baseline (the first
+profile) at the same load and, per segment and overall, gives both values and the ratio
+candidate / baseline of each key metric, a headline `speedup` = baseline `tpot_ms_agg` / candidate
+`tpot_ms_agg` (decode time per output token, so > 1 means the candidate generates faster), and
+`greedy_match` = [identical outputs, compared] over temperature-0 requests of the first repeat.
+What it does not do: judge significance (look at `spread` over `--repeats` for that).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+KEYS = ("output_tps", "request_tps", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_agg", "itl_token_ms_p50",
+        "e2e_ms_p50", "e2e_ms_p99", "error_rate", "acceptance_rate", "mean_acceptance_length")
+
+
+def _ratio(c, b):
+    return c / b if isinstance(c, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def compare_metrics(base: dict, cand: dict) -> dict:
+    """{'baseline': {k: v}, 'candidate': {k: v}, 'ratio': {k: cand/base}, 'speedup': float|None}."""
+    b = {k: base.get(k) for k in KEYS}
+    c = {k: cand.get(k) for k in KEYS}
+    return {"baseline": b, "candidate": c, "ratio": {k: _ratio(c[k], b[k]) for k in KEYS},
+            "speedup": _ratio(b["tpot_ms_agg"], c["tpot_ms_agg"])}
+
+
+def greedy_match(rows: list[dict], base: str, cand: str, load: str) -> dict[str, list[int]]:
+    """{segment: [identical, compared]} (plus '_overall') over temperature-0 requests of repeat 0."""
+    def pick(p):
+        return {r["sample_id"]: r for r in rows if r.get("profile") == p and r.get("load") == load
+                and r.get("repeat", 0) == 0 and not r.get("error") and (r.get("temperature") or 0) == 0}
+    bm, cm = pick(base), pick(cand)
+    out: dict[str, list[int]] = {"_overall": [0, 0]}
+    for sid in sorted(bm.keys() & cm.keys()):
+        seg = bm[sid]["segment"]
+        same = int(bm[sid].get("text") == cm[sid].get("text"))
+        for key in (seg, "_overall"):
+            out.setdefault(key, [0, 0])
+            out[key][0] += same
+            out[key][1] += 1
+    return out
+
+
+def _compare_pair(bg: dict, cg: dict, rows: list[dict] | None, base_name=None, cand_name=None) -> dict:
+    segs = [s for s in bg["segments"] if s in cg["segments"]]
+    gm = greedy_match(rows, bg["profile"], cg["profile"], bg["load"]) if rows else {}
+    out = {"baseline": base_name or bg["profile"], "candidate": cand_name or cg["profile"], "load": bg["load"],
+           "overall": compare_metrics(bg["overall"], cg["overall"]),
+           "segments": {s: compare_metrics(bg["segments"][s], cg["segments"][s]) for s in segs}}
+    out["overall"]["greedy_match"] = gm.get("_overall")
+    for s in segs:
+        out["segments"][s]["greedy_match"] = gm.get(s)
+    return out
+
+
+def compare_groups(groups: list[dict], rows: list[dict] | None = None) -> list[dict]:
+    """Every non-baseline profile against the first profile, load by load."""
+    if not groups:
+        return []
+    base_profile = groups[0]["profile"]
+    out = []
+    for cg in groups:
+        if cg["profile"] == base_profile:
+            continue
+        bg = next((g for g in groups if g["profile"] == base_profile and g["load"] == cg["load"]), None)
+        if bg:
+            out.append(_compare_pair(bg, cg, rows))
+    return out
+
+
+def _load_rows(summary_path: Path) -> list[dict]:
+    p = summary_path.with_name("requests.jsonl")
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+
+
+def compare_files(path_a: str, path_b: str) -> list[dict]:
+    """Compare summary B against summary A (the baseline), pairing groups by load.
+
+    When A and B hold the same profiles, each profile is compared with itself (e.g. two server
+    versions); otherwise A's first profile is the baseline for every profile of B. Greedy matches
+    are counted when `requests.jsonl` sits next to both summaries.
+    """
+    pa, pb = Path(path_a), Path(path_b)
+    a, b = json.loads(pa.read_text()), json.loads(pb.read_text())
+    ra, rb = _load_rows(pa), _load_rows(pb)
+    same_profiles = {g["profile"] for g in a["groups"]} == {g["profile"] for g in b["groups"]}
+    base_profile = a["groups"][0]["profile"] if a["groups"] else None
+    out = []
+    for cg in b["groups"]:
+        want = cg["profile"] if same_profiles else base_profile
+        bg = next((g for g in a["groups"] if g["profile"] == want and g["load"] == cg["load"]), None)
+        if not bg:
+            continue
+        rows = [{**r, "profile": "A"} for r in ra if r.get("profile") == want] + \
+               [{**r, "profile": "B"} for r in rb if r.get("profile") == cg["profile"]]
+        comp = _compare_pair({**bg, "profile": "A"}, {**cg, "profile": "B"}, rows,
+                             f"{pa.parent.name or pa.name}:{want}", f"{pb.parent.name or pb.name}:{cg['profile']}")
+        out.append(comp)
+    return out

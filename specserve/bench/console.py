@@ -1,0 +1,75 @@
+"""Console tables (rich) for a benchmark summary and for comparisons.
+
+What it does: one table per (profile, load) with a row per segment plus `all`, and one table per
+comparison (candidate vs baseline) with ratios. Values are means over repeats. ITL is shown both
+per chunk and per token, labelled. What it does not do: write files or decide anything.
+"""
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _f(v, fmt="{:.1f}", scale=1.0):
+    return "-" if v is None else fmt.format(v * scale)
+
+
+def _console(file=None) -> Console:
+    file = file or sys.stdout
+    return Console(file=file, width=None if file.isatty() else 180, highlight=False)
+
+
+def _mem(group_runs: list[dict]) -> str:
+    vals = [r["server"].get("memory_bytes") for r in group_runs if r["server"].get("memory_bytes")]
+    return f", server RSS {max(vals) / 2**20:.0f} MiB" if vals else ""
+
+
+def print_summary(summary: dict, file=None) -> None:
+    con = _console(file)
+    for g in summary["groups"]:
+        runs = [r for r in summary["runs"] if r["profile"] == g["profile"] and r["load"] == g["load"]]
+        title = (f"profile {g['profile']} | {g['load']} | {g['overall'].get('num_repeats', 1)} repeat(s)"
+                 f"{_mem(runs)} | latencies in ms, P50/P99 over requests; ITL pooled over gaps")
+        t = Table(title=title, title_justify="left")
+        for col in ("segment", "req", "err%", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50",
+                    "ITL/chunk p50", "ITL/token p50", "E2E p50", "E2E p99", "tok/chunk", "accept", "acc.len"):
+            t.add_column(col, justify="left" if col == "segment" else "right")
+        if summary["config"].get("slo"):
+            t.add_column("goodput req/s", justify="right")
+        rows = list(g["segments"].items()) + [("all", g["overall"])]
+        for name, m in rows:
+            cells = [name, _f(m.get("num_requests"), "{:.0f}"), _f(m.get("error_rate"), "{:.1f}", 100),
+                     _f(m.get("output_tps")), _f(m.get("request_tps"), "{:.2f}"), _f(m.get("ttft_ms_p50")),
+                     _f(m.get("ttft_ms_p99")), _f(m.get("tpot_ms_p50")), _f(m.get("itl_chunk_ms_p50")),
+                     _f(m.get("itl_token_ms_p50")), _f(m.get("e2e_ms_p50"), "{:.0f}"),
+                     _f(m.get("e2e_ms_p99"), "{:.0f}"),
+                     _f(m.get("tokens_per_chunk"), "{:.2f}"), _f(m.get("acceptance_rate"), "{:.2f}"),
+                     _f(m.get("mean_acceptance_length"), "{:.2f}")]
+            if summary["config"].get("slo"):
+                cells.append(_f(m.get("goodput_rps"), "{:.2f}"))
+            t.add_row(*cells, style="bold" if name == "all" else None)
+        con.print(t)
+    if summary.get("comparisons"):
+        print_comparisons(summary["comparisons"], file)
+
+
+def print_comparisons(comps: list[dict], file=None) -> None:
+    """Per-segment table of candidate vs baseline: speedup = baseline TPOT / candidate TPOT (token-weighted)."""
+    con = _console(file)
+    for c in comps:
+        t = Table(title=f"{c['candidate']} vs {c['baseline']} | {c['load']} | ratio = candidate / baseline; "
+                        "speedup = baseline TPOT / candidate TPOT", title_justify="left")
+        for col in ("segment", "base tok/s", "cand tok/s", "tok/s ratio", "speedup", "TTFT p50 ratio",
+                    "E2E p50 ratio", "accept", "acc.len", "greedy same"):
+            t.add_column(col, justify="left" if col == "segment" else "right")
+        for name, m in list(c["segments"].items()) + [("all", c["overall"])]:
+            gm = m.get("greedy_match")
+            t.add_row(name, _f(m["baseline"]["output_tps"]), _f(m["candidate"]["output_tps"]),
+                      _f(m["ratio"]["output_tps"], "{:.2f}x"), _f(m.get("speedup"), "{:.2f}x"),
+                      _f(m["ratio"]["ttft_ms_p50"], "{:.2f}x"), _f(m["ratio"]["e2e_ms_p50"], "{:.2f}x"),
+                      _f(m["candidate"]["acceptance_rate"], "{:.2f}"),
+                      _f(m["candidate"]["mean_acceptance_length"], "{:.2f}"),
+                      f"{gm[0]}/{gm[1]}" if gm else "-", style="bold" if name == "all" else None)
+        con.print(t)
