@@ -117,7 +117,7 @@ class LLM:
                     index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
                     stop_reason=o.stop_reason, logprobs=o.logprobs, num_drafts=o.spec.num_drafts,
                     num_draft_tokens=o.spec.num_draft_tokens, num_accepted_tokens=o.spec.num_accepted_tokens,
-                    num_accepted_tokens_per_pos=list(o.spec.num_accepted_tokens_per_pos),
+                    num_accepted_tokens_per_pos=list(o.spec.num_accepted_tokens_per_pos), metrics=dict(o.metrics),
                 ))
             results.append(GenerationOutput(rid, prompt if isinstance(prompt, str) else None, first.prompt_token_ids, comps))
         return results

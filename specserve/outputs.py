@@ -121,7 +121,10 @@ class RequestOutput:
 
 @dataclass
 class CompletionOutput:
-    """One completion of an offline `LLM.generate` call (vLLM's shape)."""
+    """One completion of an offline `LLM.generate` call (vLLM's shape).
+
+    `metrics` holds time.monotonic() timestamps in seconds: arrival, first_scheduled, first_token, finished.
+    """
 
     index: int
     text: str
@@ -133,6 +136,7 @@ class CompletionOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    metrics: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float | None:

@@ -199,6 +199,7 @@ def install_converted(gguf: Path, final: Path, name: str, sha256: str, source: s
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
         try:
             info = convert_gguf(gguf, tmp, progress)
         except (ValueError, KeyError, OSError, RuntimeError) as e:

