@@ -188,10 +188,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ---- demo -----------------------------------------------------------------------------------------------
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from specserve.demo import add_arguments  # argparse only; the heavy imports happen in the handler
+
+    p = sub.add_parser("demo", help="the one-command tour: pull a model, serve baseline + speculative profiles, "
+                                    "benchmark them on real workload segments, print the comparison, write a report",
+                       description="Pull the model (if needed), start `specserve serve` with profiles baseline, "
+                                   "ngram_4 and suffix on 127.0.0.1, benchmark them on a small mixed sample of real "
+                                   "segments (the same greedy requests for each), print speedup, acceptance and "
+                                   "whether greedy outputs matched baseline, write report.html and summary.json, and "
+                                   "stop the server. The last stdout line is the demo summary as JSON.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from specserve.demo import run
+
+    return run(args)
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_models, _add_pull, _add_generate, _add_serve, _add_bench,
+    _add_models, _add_pull, _add_generate, _add_serve, _add_bench, _add_demo,
 ]
 
 
