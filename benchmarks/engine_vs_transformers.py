@@ -2,7 +2,7 @@
 
 Both run the same converted weights in fp32 on the CPU, batch 1, greedy, exactly --max-tokens new
 tokens (EOS ignored), alternating A/B per prompt and repeat so machine noise hits both alike. Prints a
-table, then one JSON line; with --out, writes the JSON and a Markdown summary there.
+table, then one JSON line; with --out, writes the JSON there.
 
     python benchmarks/engine_vs_transformers.py --model qwen2.5-coder-0.5b-instruct --out docs/benchmarks
 """
@@ -31,8 +31,11 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None, help="folder for the JSON + Markdown results")
+    ap.add_argument("--out", default=None, help="folder for the JSON results")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 

@@ -89,15 +89,22 @@ class LLM:
     def _run(self, prompts, plist, spec, use_tqdm) -> list[GenerationOutput]:
         eng = self.engine
         groups: list[tuple[str, Any, list[str]]] = []
-        for prompt, params in zip(prompts, plist):
-            rid = str(self._next_id)
-            self._next_id += 1
-            children = []
-            for i in range(params.n):
-                cid = f"{rid}-{i}" if params.n > 1 else rid
-                eng.add_request(cid, prompt, child_params(params, i), speculative_config=spec)
-                children.append(cid)
-            groups.append((rid, prompt, children))
+        try:
+            for prompt, params in zip(prompts, plist):
+                rid = str(self._next_id)
+                self._next_id += 1
+                children = []
+                groups.append((rid, prompt, children))
+                for i in range(params.n):
+                    cid = f"{rid}-{i}" if params.n > 1 else rid
+                    eng.add_request(cid, prompt, child_params(params, i), speculative_config=spec)
+                    children.append(cid)
+        except Exception:  # a bad prompt: the ones already queued must not linger in the engine
+            for _, _, children in groups:
+                for cid in children:
+                    eng.abort_request(cid)
+            eng.step()  # report (and drop) the aborts
+            raise
         done: dict[str, RequestOutput] = {}
         total = sum(len(c) for _, _, c in groups)
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm)

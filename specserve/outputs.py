@@ -98,7 +98,8 @@ class RequestOutput:
         token_ids, text, logprobs: cumulative output so far.
         finished: True on the request's last output.
         finish_reason: "stop" (EOS, stop string, stop token id), "length" (max_tokens or context end),
-            "abort", or None while running.
+            "abort", "error" (the engine failed on this request alone; `stop_reason` says why), or None
+            while running.
         stop_reason: the stop string or stop token id that ended it, when one did.
         spec: the request's speculation counters so far.
         metrics: timestamps (seconds, time.monotonic): arrival, first_scheduled, first_token, finished.

@@ -8,7 +8,13 @@ when it stops. What it does not do: sampling itself (see `specserve.sample.sampl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+
+_GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
 
 
 class SamplingParamsError(ValueError):
@@ -21,7 +27,8 @@ class SamplingParams:
 
     Attributes:
         n: number of independent completions for the prompt (>= 1).
-        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
+        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax (below 1e-5 it is
+            treated as 0, as in vLLM).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
@@ -29,9 +36,10 @@ class SamplingParams:
             any batch (each request owns its random stream). With speculation on, a seed is reproducible
             for a given speculation profile, but need not give the same tokens as without speculation.
         presence_penalty, frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
-        repetition_penalty: CTRL-style (> 0, 1 disables), over prompt and generated tokens.
+        repetition_penalty: CTRL-style, in [0.01, 100] (1 disables), over prompt and generated tokens.
         logit_bias: token id -> bias added to the logit (OpenAI semantics, [-100, 100]).
-        stop: strings that end generation; the matched string is not returned.
+        stop: up to 16 strings (each up to 512 characters) that end generation; the matched string is
+            not returned.
         stop_token_ids: token ids that end generation (the id is not returned in text; it is counted).
         ignore_eos: keep generating past the model's EOS token.
         max_tokens: maximum number of generated tokens (>= 1). None means up to the context length.
@@ -72,6 +80,14 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise SamplingParamsError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(f"{name} must be a finite number, got {v!r}")
+        if 0 < self.temperature < _GREEDY_EPS:
+            # vLLM's rule: a temperature this small is greedy (dividing logits by it overflows)
+            self.temperature = 0.0
+
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature is None or self.temperature < 0:
@@ -86,8 +102,8 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.repetition_penalty is None or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not 0.01 <= self.repetition_penalty <= 100.0:
+            bad(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -98,9 +114,11 @@ class SamplingParams:
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                bad(f"stop strings must be non-empty strings, got {s!r}")
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                bad(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters, got {s[:40]!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 bad(f"stop_token_ids must be non-negative integers, got {t!r}")

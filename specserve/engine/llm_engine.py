@@ -188,6 +188,7 @@ class LLMEngine:
         self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request waits, runs, or has an abort not yet reported by step()."""
         return self.scheduler.has_work() or bool(self._aborted)
 
     def stats(self) -> dict:
@@ -207,15 +208,24 @@ class LLMEngine:
         """Run one step; returns an output for every request that advanced or finished."""
         outputs = [self._make_output(r) for r in self._aborted]
         self._aborted.clear()
-        scheduled = self.scheduler.schedule()
+        decodes, _ = self.scheduler.schedule_decodes()
+        self._propose([s for s in decodes if s.max_drafts > 0])
+        used = sum(s.num_new_tokens for s in decodes)
+        scheduled = decodes + self.scheduler.schedule_prefills(self.scheduler.budget - used)
         if not scheduled:
             return outputs
         now = time.monotonic()
         for s in scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        self._propose([s for s in scheduled if s.max_drafts > 0])
-        logits = self.target.runner.forward([self._seq_input(s) for s in scheduled])
+        try:
+            logits = self.target.runner.forward([self._seq_input(s) for s in scheduled])
+        except Exception:
+            for s in scheduled:  # leave every request as it was before the step
+                r = s.request
+                self.target.kv.truncate(r.slot, min(r.num_computed_tokens, self.target.kv.lengths[r.slot]))
+                r.drafts, r.draft_probs = [], None
+            raise
         outputs += self._verify_and_commit(scheduled, logits)
         self.num_steps += 1
         return outputs
@@ -257,12 +267,18 @@ class LLMEngine:
                 continue
             p = r.params
             stop_ids = stop_ids_cache.setdefault(id(p), ([] if p.ignore_eos else list(self.eos_token_ids)) + p.stop_token_ids)
-            res = sample_request(
-                logits[row : row + n_rows], p, r.prompt_token_ids, r.output_token_ids, r.drafts, r.draft_probs,
-                stop_ids, r.generator, argmax_all[row : row + n_rows] if argmax_all is not None else None,
-            )
+            try:
+                res = sample_request(
+                    logits[row : row + n_rows], p, r.prompt_token_ids, r.output_token_ids, r.drafts, r.draft_probs,
+                    stop_ids, r.generator, argmax_all[row : row + n_rows] if argmax_all is not None else None,
+                )
+                outputs.append(self._commit(r, res, s.is_prefill))
+            except Exception as e:  # one request's failure must not take the batch (or the server) down
+                logger.exception("request %s failed while sampling; finishing it with finish_reason 'error'", r.request_id)
+                r.finish_reason, r.stop_reason = "error", f"{type(e).__name__}: {e}"
+                self._finish(r)
+                outputs.append(self._make_output(r))
             row += n_rows
-            outputs.append(self._commit(r, res, s.is_prefill))
         return outputs
 
     def _commit(self, r: Request, res, was_prefill: bool) -> RequestOutput:
@@ -270,9 +286,12 @@ class LLMEngine:
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
         if not was_prefill:
-            accepted = min(res.num_accepted, n)  # drafts after a stop are not counted (cases B10)
+            accepted = min(res.num_accepted, n)  # drafts after a stop are not committed
             if r.drafts:
-                self._count_spec(r, len(r.drafts), accepted, n)
+                # Stats (cases B10): a step's last emitted token is its own (recovered/bonus) token, also
+                # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
+                # the tokens emitted per verify step.
+                self._count_spec(r, len(r.drafts), min(res.num_accepted, n - 1), n)
             r.num_computed_tokens += 1 + accepted
             self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
         r.drafts, r.draft_probs = [], None

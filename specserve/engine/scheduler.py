@@ -1,9 +1,10 @@
 """Continuous-batching scheduler: which requests run in the next step, and how many tokens each feeds.
 
-What it does: each step, decoding requests go first, each reserving 1 + k tokens (its newest token
-plus up to k drafts, k capped so that the step can pass neither max_tokens nor the context length);
-then prompts are prefilled in chunks with what is left of the token budget, admitting waiting
-requests while KV slots are free. Requests join and leave between steps.
+What it does, in two phases per step: (1) every decoding request gets its newest token, then an
+allowance of up to k drafts from the remaining token budget (k capped so that the step can pass
+neither max_tokens nor the context length); (2) after the proposers have drafted, prompts are
+prefilled in chunks with what the decodes really used, continuing partial prefills first and then
+admitting waiting requests while KV slots are free. Requests join and leave between steps.
 What it does not do: propose drafts, run the model, or commit tokens (the engine does).
 """
 
@@ -36,7 +37,7 @@ class ScheduledRequest:
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens fed to the model for this request this step."""
+        """Tokens fed to the model for this request this step (drafts count once proposed)."""
         if self.is_prefill:
             return self.num_prefill_tokens
         return 1 + len(self.request.drafts)
@@ -53,6 +54,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
+        """Queue a new request (FCFS)."""
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
@@ -66,6 +68,7 @@ class Scheduler:
             req.slot = None
 
     def has_work(self) -> bool:
+        """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def max_drafts_for(self, req: Request, num_decoding: int) -> int:
@@ -79,20 +82,28 @@ class Scheduler:
         k = min(k, self.max_model_len - len(req.all_token_ids) - 1)
         return max(k, 0)
 
-    def schedule(self) -> list[ScheduledRequest]:
-        """Pick this step's work. Returns [] when there is nothing to run."""
-        out: list[ScheduledRequest] = []
-        budget = self.budget
+    def schedule_decodes(self) -> tuple[list[ScheduledRequest], int]:
+        """Phase 1 of a step: every decoding request gets its 1 token, then draft allowances (k caps)
+        from what is left of the budget, in FCFS order.
+
+        Returns:
+            (scheduled decodes, the budget left if every allowance were used in full).
+        """
         decoding = [r for r in self.running if not r.in_prefill]
-        for req in decoding:
-            if budget < 1:
-                break
-            k = min(self.max_drafts_for(req, len(decoding)), budget - 1)
-            out.append(ScheduledRequest(req, is_prefill=False, max_drafts=k))
-            budget -= 1 + k
+        out = [ScheduledRequest(r, is_prefill=False) for r in decoding[: self.budget]]
+        budget = self.budget - len(out)
+        for s in out:
+            s.max_drafts = min(self.max_drafts_for(s.request, len(decoding)), budget)
+            budget -= s.max_drafts
+        return out, budget
+
+    def schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
+        """Phase 2: prompt chunks within `budget` tokens (what the decodes really left after drafting),
+        continuing partial prefills first, then admitting waiting requests while KV slots are free."""
+        out: list[ScheduledRequest] = []
         for req in [r for r in self.running if r.in_prefill]:
             if budget < 1:
-                break
+                return out
             budget -= self._prefill(req, budget, out)
         while self.waiting and budget > 0 and self.kv.num_free_slots > 0:
             req = self.waiting.popleft()

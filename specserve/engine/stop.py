@@ -103,13 +103,21 @@ def commit_tokens(
 
 def visible_text_len(req: Request) -> int:
     """How much of req.text may be streamed now: all of it once finished, otherwise all but the
-    longest tail that could still grow into a stop string (so no stop-string prefix is sent early)."""
-    if req.finish_reason is not None or not req.params.stop:
-        return len(req.text)
+    longest tail that could still grow into a stop string (so no stop-string prefix is sent early).
+
+    Cost per call: for each stop string s, a scan of the last len(s) - 1 characters (stop strings are
+    capped at 512 characters by SamplingParams), independent of the text's length.
+    """
+    text = req.text
+    if req.finish_reason is not None or not req.params.stop or not text:
+        return len(text)
     hold = 0
     for s in req.params.stop:
-        for n in range(min(len(s) - 1, len(req.text)), hold, -1):
-            if req.text.endswith(s[:n]):
-                hold = n
+        tail = text[-(len(s) - 1):] if len(s) > 1 else ""
+        i = tail.find(s[0])
+        while i != -1 and len(tail) - i > hold:
+            if s.startswith(tail[i:]):
+                hold = len(tail) - i
                 break
-    return len(req.text) - hold
+            i = tail.find(s[0], i + 1)
+    return len(text) - hold

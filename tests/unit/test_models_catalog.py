@@ -117,6 +117,7 @@ def test_pull_builds_marker_cleans_downloads_and_is_idempotent(fake_env):
     entry, calls, home = fake_env
     files = pull(entry.name, progress=False)
     assert files.path == model_dir(entry.name) and files.checksum == entry.sha256 and files.source == "catalog"
+    assert files.path.stat().st_mode & 0o777 == 0o755
     marker = pull_mod.read_marker(files.path)
     assert marker["name"] == entry.name and marker["arch"] == "llama" and marker["specserve_version"]
     assert not (home / "downloads" / entry.name).exists() and _no_tmp_dirs(home)
