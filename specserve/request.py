@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the scheduler's `in` / `remove` must not compare fields
 class Request:
     """One sequence being generated.
 

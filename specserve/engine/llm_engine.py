@@ -16,17 +16,15 @@ from typing import Any
 import torch
 
 from specserve.config import EngineConfig, SpeculativeConfig
-from specserve.engine.kv_cache import KVCache
-from specserve.engine.model_runner import ModelRunner, SeqInput
+from specserve.engine.loaded_model import LoadedModel
+from specserve.engine.model_runner import SeqInput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.engine.stop import commit_tokens, visible_text_len
-from specserve.model.loader import DTYPES, load_model
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.request import Request, RequestStatus
 from specserve.sample.sampler import needs_processing, sample_request
 from specserve.sampling_params import SamplingParams
 from specserve.spec import make_proposer, proposer_key
-from specserve.spec import draft_model as _draft_model  # noqa: F401  (registers the draft_model factory)
 from specserve.spec.proposer import ProposalInput, Proposer
 
 logger = logging.getLogger(__name__)
@@ -36,46 +34,6 @@ _DEFAULT: Any = object()  # "use the engine's default speculative config"
 
 class RequestError(ValueError):
     """A request the engine cannot take (empty or too long prompt, duplicate id, bad token ids)."""
-
-
-def resolve_device(device: str) -> torch.device:
-    """ "auto" -> cuda when available, else cpu. Raises RuntimeError when cuda is asked but absent."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """ "auto" -> float32 on CPU, bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return DTYPES[dtype]
-
-
-class LoadedModel:
-    """A model, its tokenizer and its KV cache on one device (the target, or a draft model)."""
-
-    def __init__(self, spec: str, dtype: str, device: str, max_model_len: int | None, num_slots: int):
-        from transformers import AutoTokenizer
-
-        from specserve.models import resolve_model
-
-        self.files = resolve_model(spec)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        from specserve.model.config import ModelConfig
-
-        cfg = ModelConfig.from_folder(self.files.path)
-        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.model, self.config = load_model(self.files.path, self.dtype, self.device, self.max_model_len)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files.path))
-        self.kv = KVCache(
-            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.max_model_len, self.dtype, self.device
-        )
-        self.runner = ModelRunner(self.model, self.kv, self.device)
 
 
 class LLMEngine:

@@ -55,6 +55,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE over the slot KV cache: [T, hidden] -> [T, hidden]."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -101,6 +103,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), [T, hidden] -> [T, hidden]."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -126,6 +130,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). [T, hidden] -> [T, hidden]."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = Attention(cfg)

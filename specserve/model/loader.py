@@ -36,21 +36,21 @@ def _safetensor_files(folder: Path) -> list[Path]:
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int
-) -> tuple[CausalLM, ModelConfig]:
-    """Build the model from `folder` in `dtype` on `device`.
+    folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> CausalLM:
+    """Build the model described by `cfg` from the checkpoint in `folder`, in `dtype` on `device`.
 
     Args:
+        cfg: the folder's ModelConfig (`ModelConfig.from_folder`).
         max_positions: size of the RoPE table (the engine's max_model_len).
 
     Returns:
-        (model in eval mode with fused projections, its ModelConfig).
+        the model in eval mode, with fused projections.
 
     Raises:
-        ModelConfigError: unsupported architecture. WeightLoadError: checkpoint mismatch.
+        WeightLoadError: checkpoint mismatch (missing or unexpected tensors, wrong shapes).
     """
     folder = Path(folder)
-    cfg = ModelConfig.from_folder(folder)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     expected = {k: v for k, v in model.state_dict().items()}
@@ -75,4 +75,4 @@ def load_model(
     model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)
     model.fuse_projections()
     model.eval()
-    return model, cfg
+    return model

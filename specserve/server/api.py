@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (see `serving.py`), GET /v1/models,
 GET /health (200 while the engine thread runs, else 503), GET /metrics (Prometheus text, this app's
 own registry), and the admin API under /admin (see `specserve.rollout.admin`).
-`create_app()` takes an engine object with the `LLMEngine` API (a real one, or `fake_engine.FakeEngine`
+`create_app()` takes an engine object with the `LLMEngine` API (a real one, or the tests' `tests.helpers.fake_engine.FakeEngine`
 in tests), prepares each profile's proposer once (draft models are loaded once and shared), and starts
 the engine thread when the app starts (lifespan) and stops it, cleanly, when the app stops.
 What it does not do: parse the command line or run uvicorn (see `launcher.py`).

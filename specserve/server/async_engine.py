@@ -37,6 +37,10 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class Submission:
+    """One HTTP request's engine work: its prompt, one SamplingParams per choice, its profile's
+    speculative config, the asyncio queue its outputs arrive on, and the future resolved with the
+    prompt token ids (or the engine's error) once the engine thread has added it."""
+
     request_id: str
     prompt: tuple  # ("text", str) | ("ids", list[int]) | ("chat", messages, tools)
     params: list[Any]  # one SamplingParams per choice
@@ -48,6 +52,13 @@ class Submission:
 
 
 class AsyncEngine:
+    """The bridge between asyncio handlers and the engine thread (see the module docstring).
+
+    Args:
+        engine: an object with the LLMEngine API.
+        poll_timeout_s: how long the idle engine thread sleeps between checks (s).
+    """
+
     def __init__(self, engine: Any, *, poll_timeout_s: float = 1.0):
         self.engine = engine
         self._cond = threading.Condition()
@@ -65,11 +76,13 @@ class AsyncEngine:
     # ---- lifecycle (event-loop thread) ---------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on `loop` (default: the running loop)."""
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread; requests in flight get EngineDeadError. Waits up to timeout_s (s)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -81,6 +94,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
+        """True while the engine thread runs and no step has failed."""
         return self._thread is not None and self._thread.is_alive() and self.dead is None
 
     # ---- requests (event-loop thread) ----------------------------------------------------------
@@ -100,8 +114,6 @@ class AsyncEngine:
             prompt_ids = await sub.future
         except asyncio.CancelledError:
             self.abort(sub.child_ids)  # the client left while we waited: do not leak engine requests
-            raise
-        except BaseException:
             raise
         return prompt_ids, sub.queue, sub.child_ids
 

@@ -1,8 +1,8 @@
 """Speculation proposers and the registry that builds one from a SpeculativeConfig.
 
 What it does: maps `SpeculativeConfig.method` to a factory (`ngram` -> NgramProposer, `suffix` ->
-SuffixProposer; the engine registers `draft_model`, which needs engine objects, through
-`register_proposer_factory`), and gives `proposer_key`, the identity under which one proposer
+SuffixProposer, `draft_model` -> DraftModelProposer, which needs the engine passed as `engine=`; other
+methods can be added with `register_proposer_factory`), and gives `proposer_key`, the identity under which one proposer
 instance may be shared by several profiles. What it does not do: decide k (per request, in
 `ProposalInput.k`) or verify drafts (the engine and `specserve.sample.rejection` do).
 """
@@ -41,7 +41,19 @@ def _make_suffix(config: SpeculativeConfig, **_: Any) -> Proposer:
     return SuffixProposer(config)
 
 
-_FACTORIES: dict[str, ProposerFactory] = {"ngram": _make_ngram, "suffix": _make_suffix}
+def _make_draft_model(config: SpeculativeConfig, engine: Any = None, **_: Any) -> Proposer:
+    if engine is None:
+        raise ConfigError('method "draft_model" needs the engine (device, dtype, the target tokenizer)')
+    from specserve.spec.draft_model import DraftModelProposer  # imports the engine's model loading
+
+    return DraftModelProposer(config, engine)
+
+
+_FACTORIES: dict[str, ProposerFactory] = {
+    "ngram": _make_ngram,
+    "suffix": _make_suffix,
+    "draft_model": _make_draft_model,
+}
 
 
 def register_proposer_factory(method: str, factory: ProposerFactory) -> None:
@@ -61,15 +73,13 @@ def make_proposer(config: SpeculativeConfig, **engine_objects: Any) -> Proposer:
         **engine_objects: passed through to the factory (ngram and suffix ignore them).
 
     Raises:
-        ConfigError: no factory is registered for the method (for `draft_model`: the engine has not
-            registered one), naming the methods that have one.
+        ConfigError: no factory is registered for the method, naming the methods that have one.
     """
     factory = _FACTORIES.get(config.method)
     if factory is None:
         raise ConfigError(
             f"no proposer is available for speculative method {config.method!r} here; "
             f"available: {', '.join(sorted(_FACTORIES))}"
-            + (" (draft_model is provided by the engine, which registers it)" if config.method == "draft_model" else "")
         )
     return factory(config, **engine_objects)
 

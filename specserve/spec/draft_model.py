@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import ConfigError, SpeculativeConfig
+from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
 from specserve.sample.sampler import logits_to_probs
-from specserve.spec import register_proposer_factory
 from specserve.spec.proposer import Proposal, ProposalInput
 
 
@@ -44,8 +44,6 @@ class DraftModelProposer:
     method = "draft_model"
 
     def __init__(self, spec: SpeculativeConfig, engine):
-        from specserve.engine.llm_engine import LoadedModel
-
         cfg = engine.config
         self.draft = LoadedModel(spec.model, cfg.dtype, str(engine.device), engine.max_model_len, cfg.max_num_seqs)
         if self.draft.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
@@ -128,11 +126,3 @@ class DraftModelProposer:
         if seq is not None:
             self.draft.kv.free(seq.slot)
 
-
-def _make_draft_model(config: SpeculativeConfig, engine=None, **_) -> "DraftModelProposer":
-    if engine is None:
-        raise ConfigError('method "draft_model" needs the engine (device, dtype, the target tokenizer)')
-    return DraftModelProposer(config, engine)
-
-
-register_proposer_factory("draft_model", _make_draft_model)

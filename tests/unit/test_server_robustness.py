@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from specserve.server.api import ServerSettings, create_app
-from specserve.server.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from specserve.server.launcher import ServerThread
 
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
-from specserve.server.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from specserve.server.launcher import ServerThread
 
 PROFILES = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4},
