@@ -18,7 +18,7 @@ What it does not do: per-step engine timings (the engine owns those) or HTTP (ap
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specserve.outputs import SpecStats
@@ -32,8 +32,12 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
+    """All metrics of one server (see the module docstring), including the process's own
+    (`process_resident_memory_bytes`, CPU seconds), which the benchmark reports as server memory."""
+
     def __init__(self, profiles: list[str] | tuple[str, ...] = (), model_name: str = ""):
         r = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)
         self.requests = Counter("specserve:requests", "Finished completion requests", ["profile", "status", "code"],
                                 registry=r)
         self.prompt_tokens = Counter("specserve:prompt_tokens", "Prompt tokens processed", ["profile"], registry=r)
