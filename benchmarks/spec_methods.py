@@ -37,6 +37,11 @@ def method_configs(names: list[str], k: int, draft: str | None):
             cfgs[m] = SpeculativeConfig("suffix", max(k, 8))
         elif m == "draft_model":
             cfgs[m] = SpeculativeConfig("draft_model", k, model=draft)
+        elif m == "ngram_heuristic":
+            cfgs[m] = SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4,
+                                        num_speculative_tokens_schedule="heuristic")
+        elif m == "suffix_heuristic":
+            cfgs[m] = SpeculativeConfig("suffix", max(k, 8), num_speculative_tokens_schedule="heuristic")
         else:
             raise SystemExit(f"unknown method {m!r}")
     return cfgs
@@ -80,9 +85,10 @@ def main() -> None:
     accepted = defaultdict(int)
     same = defaultdict(lambda: [0, 0])
     for r in range(args.repeats):
-        if "suffix" in cfgs:
-            llm.engine._proposers.pop(proposer_key(cfgs["suffix"]), None)
-            llm.engine.prepare_speculative_config(cfgs["suffix"])
+        for name in ("suffix", "suffix_heuristic"):  # a fresh global tree per pass (shared by both)
+            if name in cfgs:
+                llm.engine._proposers.pop(proposer_key(cfgs[name]), None)
+                llm.engine.prepare_speculative_config(cfgs[name])
         for i, (s, ids) in enumerate(zip(samples, prompts)):
             params = SamplingParams(temperature=0, max_tokens=s.max_tokens)
             rot = (i + r) % len(names)

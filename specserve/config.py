@@ -37,6 +37,11 @@ class SpeculativeConfig:
         draft_tensor_parallel_size: accepted for vLLM compatibility; only 1 is supported.
         num_speculative_tokens_per_batch_size: optional list of [max_batch_size, k] pairs; a step with
             batch size b uses the k of the first pair with b <= max_batch_size (0 turns speculation off).
+        num_speculative_tokens_schedule: "constant" (vLLM's behaviour: always k) or "heuristic"
+            (specserve's extension, transformers' `num_assistant_tokens_schedule="heuristic"`): each
+            request starts at k, then its own k grows by 2 after a step that accepted every draft and
+            shrinks by 1 (not below 1) after one that did not, capped by num_speculative_tokens. Losslessness
+            does not depend on k; the point is to stop paying for long verify blocks that get rejected.
     """
 
     method: str
@@ -50,6 +55,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     draft_tensor_parallel_size: int = 1
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int], ...] | None = None
+    num_speculative_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         m = self.method
@@ -77,6 +83,10 @@ class SpeculativeConfig:
             raise ConfigError("suffix_decoding_max_spec_factor must be > 0")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if self.num_speculative_tokens_schedule not in ("constant", "heuristic"):
+            raise ConfigError(
+                f'num_speculative_tokens_schedule must be "constant" or "heuristic", got {self.num_speculative_tokens_schedule!r}'
+            )
         if self.draft_tensor_parallel_size != 1:
             raise ConfigError("draft_tensor_parallel_size other than 1 is not supported (single device engine)")
         if self.num_speculative_tokens_per_batch_size is not None:

@@ -250,6 +250,10 @@ class LLMEngine:
                 # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
                 # the tokens emitted per verify step.
                 self._count_spec(r, len(r.drafts), min(res.num_accepted, n - 1), n)
+                if r.spec.num_speculative_tokens_schedule == "heuristic":
+                    k_max = r.spec.num_speculative_tokens
+                    k_now = r.adaptive_k or k_max
+                    r.adaptive_k = min(k_now + 2, k_max) if res.num_accepted == len(r.drafts) else max(k_now - 1, 1)
             r.num_computed_tokens += 1 + accepted
             self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
         r.drafts, r.draft_probs = [], None

@@ -77,6 +77,8 @@ class Scheduler:
         if req.spec is None:
             return 0
         k = req.spec.k_for_batch_size(num_decoding)
+        if req.adaptive_k is not None:
+            k = min(k, req.adaptive_k)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         k = min(k, self.max_model_len - len(req.all_token_ids) - 1)

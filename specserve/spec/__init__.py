@@ -20,7 +20,7 @@ from specserve.spec.suffix import SuffixProposer
 ProposerFactory = Callable[..., Proposer]
 
 # Config keys that do not change what a proposer does: k is per request (ProposalInput.k).
-_PER_REQUEST_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size")
+_PER_REQUEST_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size", "num_speculative_tokens_schedule")
 # Keys that only matter to one method; for the others they are left out of the key.
 _METHOD_KEYS = {
     "ngram": ("prompt_lookup_min", "prompt_lookup_max"),

@@ -165,3 +165,29 @@ def test_seeded_sampling_reproducible_under_spec(llm, tiny_model_dir, other_tiny
         assert llm.generate(PROMPTS[0], p.clone(seed=43), speculative_config=cfg)[0].outputs[0].token_ids != alone
         if cfg.method in ("ngram", "suffix"):  # one-hot drafts: the same tokens as without speculation
             assert alone == llm.generate(PROMPTS[0], p, speculative_config=None)[0].outputs[0].token_ids
+
+
+def test_heuristic_k_schedule(llm, base, tiny_model_dir):
+    """The 'heuristic' schedule keeps output identical and shrinks k when drafts are rejected."""
+    eng = llm.engine
+    cfg = SpeculativeConfig("ngram", 8, prompt_lookup_min=3, prompt_lookup_max=3, num_speculative_tokens_schedule="heuristic")
+    truth = {tuple(eng.encode_prompt(p)): base[p].token_ids for p in PROMPTS}
+    wrong = WrongProposer(truth, eng.target.config.vocab_size)
+    eng.prepare_speculative_config(cfg)
+    key = proposer_key(cfg)
+    saved, eng._proposers[key] = eng._proposers[key], wrong
+    try:
+        out = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=cfg)[0].outputs[0]
+    finally:
+        eng._proposers[key] = saved
+    assert out.token_ids == base[PROMPTS[0]].token_ids
+    sizes = [len(d) for d in wrong.proposed]
+    assert sizes[:8] == [8, 7, 6, 5, 4, 3, 2, 1] and set(sizes[8:]) == {1}
+    # all-accepted drafts (the target drafting for itself) keep k at its maximum
+    self_cfg = SpeculativeConfig("draft_model", 4, model=str(tiny_model_dir), num_speculative_tokens_schedule="heuristic")
+    out = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=self_cfg)[0].outputs[0]
+    assert out.token_ids == base[PROMPTS[0]].token_ids and out.num_accepted_tokens == out.num_draft_tokens
+    # every step but the last (capped by max_tokens) verified 4 drafts
+    assert out.num_draft_tokens >= 4 * (out.num_drafts - 1) + 1
+    with pytest.raises(Exception, match="schedule"):
+        SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="sometimes")
