@@ -41,7 +41,10 @@ def method_configs(names: list[str], k: int, draft: str | None):
             cfgs[m] = SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4,
                                         num_speculative_tokens_schedule="heuristic")
         elif m == "suffix_heuristic":
-            cfgs[m] = SpeculativeConfig("suffix", max(k, 8), num_speculative_tokens_schedule="heuristic")
+            # a cache size one below the default only gives this method its own proposer (its own global
+            # tree), so it never learns from the other suffix method's run of the same prompt
+            cfgs[m] = SpeculativeConfig("suffix", max(k, 8), num_speculative_tokens_schedule="heuristic",
+                                        suffix_decoding_max_cached_requests=9999)
         else:
             raise SystemExit(f"unknown method {m!r}")
     return cfgs
@@ -85,7 +88,7 @@ def main() -> None:
     accepted = defaultdict(int)
     same = defaultdict(lambda: [0, 0])
     for r in range(args.repeats):
-        for name in ("suffix", "suffix_heuristic"):  # a fresh global tree per pass (shared by both)
+        for name in ("suffix", "suffix_heuristic"):  # a fresh global tree per pass
             if name in cfgs:
                 llm.engine._proposers.pop(proposer_key(cfgs[name]), None)
                 llm.engine.prepare_speculative_config(cfgs[name])
