@@ -73,11 +73,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("-o", "--out", help="HTML path (default: report.html next to the summary)")
 
 
+def _check_summary(path: str) -> None:
+    """Raise a one-line ValueError unless `path` is a bench summary.json."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file (give the summary.json a bench run wrote)")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a JSON bench summary ({e})") from None
+    if not isinstance(data, dict) or "groups" not in data:
+        raise ValueError(f"{path}: not a bench summary.json (no 'groups'); give the summary.json a bench run wrote")
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
     if args.bench_command == "compare":
         from specserve.bench import compare, console
+        _check_summary(args.a)
+        _check_summary(args.b)
         comps = compare.compare_files(args.a, args.b)
         if not comps:
             raise ValueError(f"{args.b} and {args.a} share no load to compare")
@@ -89,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         from specserve.bench import report
+        _check_summary(args.summary)
         out = args.out or str(Path(args.summary).with_name("report.html"))
         report.load_and_write(args.summary, out)
         print(out)

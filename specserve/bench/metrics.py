@@ -143,6 +143,26 @@ def wall_of(records) -> float:
     return max(_get(r, "send_time_s") + e2e_ms(r) / 1000 for r in rs) - start
 
 
+def busy_time_of(records) -> float:
+    """Seconds during which at least one of these records was in flight (the union of their
+    [send, last token-bearing chunk] intervals). A segment's throughput in a mixed run is its tokens
+    over this time, so other segments' requests interleaved with it do not count against it; at
+    concurrency 1 it is the sum of its requests' E2E latencies."""
+    spans = sorted((_get(r, "send_time_s"), _get(r, "send_time_s") + e2e_ms(r) / 1000)
+                   for r in records if _get(r, "chunks"))
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
 def summarize(records, wall_s: float | None = None, slo: dict | None = None) -> dict:
     """Flat metric dict for a group of records; `wall_s` defaults to `wall_of(records)` (s)."""
     records = list(records)

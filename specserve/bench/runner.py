@@ -74,7 +74,8 @@ def _segment_metrics(records: list, slo: dict | None) -> dict:
     segs: dict[str, list] = {}
     for r in records:
         segs.setdefault(r.segment, []).append(r)
-    return {s: metrics.summarize(rs, None, slo) for s, rs in sorted(segs.items())}
+    # a segment's rates are over the time it had requests in flight (see metrics.busy_time_of)
+    return {s: metrics.summarize(rs, metrics.busy_time_of(rs), slo) for s, rs in sorted(segs.items())}
 
 
 async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) -> tuple[dict, list]:

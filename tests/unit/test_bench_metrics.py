@@ -142,3 +142,25 @@ def test_gamma_arrivals_mean_rate():
     assert offs[0] == 0 and offs == sorted(offs)
     assert offs[-1] / 2000 == pytest.approx(0.25, rel=0.1)
     assert client.arrival_offsets(3, float("inf")) == [0.0, 0.0, 0.0]
+
+
+def test_busy_time_is_union_of_in_flight_intervals():
+    """A segment's rate divides by the time it had requests in flight, not the span that other
+    segments' interleaved requests fill."""
+    from types import SimpleNamespace as NS
+
+    from specserve.bench.metrics import busy_time_of
+
+    def rec(send, e2e_s):
+        return NS(send_time_s=send, chunks=[(e2e_s, 1)], e2e=e2e_s)
+
+    import specserve.bench.metrics as m
+
+    orig = m.e2e_ms
+    m.e2e_ms = lambda r: r.e2e * 1000
+    try:
+        assert busy_time_of([rec(0, 2), rec(10, 3)]) == 5  # two separate requests: 2 s + 3 s, not 13 s
+        assert busy_time_of([rec(0, 4), rec(1, 2), rec(3, 3)]) == 6  # overlapping: [0, 6]
+        assert busy_time_of([]) == 0
+    finally:
+        m.e2e_ms = orig
