@@ -1,6 +1,6 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes .venv with everything specserve needs.
-# On a machine without CUDA it installs the small CPU build of torch (torch==2.13.0, see DESIGN.md
-# section 8); elsewhere it keeps whatever torch is already there. Safe to run again: it skips what is done.
+# On a machine without CUDA it installs torch==2.13.0 (the small CPU build where pip can find it, see the
+# README); a torch already in the environment is kept. Safe to run again: it skips what is done.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -29,7 +29,7 @@ td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}h2
 <p>Model <b>{{ s.model|e }}</b> at <code>{{ s.base_url|e }}</code>, started {{ s.started }}.
 {{ s.num_samples }} requests per run; profiles: {{ profiles|e }}; loads: {{ loads|e }}; repeats: {{ s.config.repeats }};
 seed {{ s.config.seed }}; max_tokens cap {{ s.config.max_tokens }}.</p>
-<p class="note">Definitions (DESIGN.md section 5): TTFT = send to first token-bearing chunk; E2E = send to last
+<p class="note">Definitions (specserve README, "Benchmarking"): TTFT = send to first token-bearing chunk; E2E = send to last
 token-bearing chunk; TPOT = (E2E - TTFT) / (output tokens - 1); ITL per chunk = gap between token-bearing chunks,
 ITL per token = that gap spread over the tokens the chunk carries (tokens per chunk counted from:
 {{ sources_of_counts }});
