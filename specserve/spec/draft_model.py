@@ -12,6 +12,7 @@ What it does not do: verification, or any change to the request.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,8 @@ from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
 from specserve.sample.sampler import logits_to_probs
 from specserve.spec.proposer import Proposal, ProposalInput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +53,11 @@ class DraftModelProposer:
             raise ConfigError(
                 f"draft model {spec.model!r} does not share the target's tokenizer; a draft must use the same vocabulary"
             )
+        n_draft = sum(p.numel() for p in self.draft.model.parameters())
+        n_target = sum(p.numel() for p in engine.target.model.parameters())
+        if n_draft >= n_target:
+            logger.warning("draft model %s (%.2fB parameters) is not smaller than the target (%.2fB): "
+                           "drafting will cost more than it can save", spec.model, n_draft / 1e9, n_target / 1e9)
         self.target_vocab = engine.target.config.vocab_size
         self.seqs: dict[str, _DraftSeq] = {}
 
