@@ -34,3 +34,17 @@ def real_model():
             pytest.skip(f"real model {name} is not available: {e}")
 
     return get
+
+
+@pytest.fixture(scope="module")
+def torch_threads():
+    """Run a module's models with SPECSERVE_TEST_THREADS torch threads (default 1): on a shared 2-core
+    machine a second thread mostly spins and makes the real-model tests several times slower."""
+    import os
+
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(n)

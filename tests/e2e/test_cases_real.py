@@ -12,11 +12,9 @@ second OpenMP thread mostly spins and costs several times the CPU of the work it
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
-import torch
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
@@ -34,7 +32,7 @@ from tests.helpers.cases import (
 )
 from tests.helpers.proposers import WrongProposer
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("torch_threads")]
 
 SMOL = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -73,12 +71,6 @@ def gen(llm, prompts, params, cfg):
     return [o.outputs[0] for o in llm.generate(prompts, params, speculative_config=cfg)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@
   length is well above 1.
 """
 
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.model_runner import SeqInput
 from tests.helpers.cases import assert_greedy_equal
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("torch_threads")]
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -39,12 +38,6 @@ CODE = '''def binary_search(arr, target):
 EDIT = "Rename the function `binary_search` to `find_index` and return the whole code, nothing else:\n```python\n" + CODE + "```"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])

@@ -21,7 +21,6 @@ bug (sampling the target instead of the residual after a rejection), are both re
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import pytest
@@ -40,13 +39,9 @@ SETTINGS = {
 }
 PROMPT = "The server batches requests continuously"
 
+pytestmark = pytest.mark.usefixtures("torch_threads")
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(n)
+
 
 
 # The session's `tiny_model_dir` (init_std 0.1) is nearly uniform over its ~400 tokens (top p ~ 0.02):
