@@ -166,7 +166,7 @@ class LLMEngine:
         """Run one step; returns an output for every request that advanced or finished."""
         outputs = [self._make_output(r) for r in self._aborted]
         self._aborted.clear()
-        decodes, _ = self.scheduler.schedule_decodes()
+        decodes = self.scheduler.schedule_decodes()
         self._propose([s for s in decodes if s.max_drafts > 0])
         used = sum(s.num_new_tokens for s in decodes)
         scheduled = decodes + self.scheduler.schedule_prefills(self.scheduler.budget - used)

@@ -52,6 +52,8 @@ class ModelRunner:
         ids: list[int] = []
         rows: list[int] = []
         for s in seqs:
+            if self.kv.lengths[s.slot] != s.start:
+                raise RuntimeError(f"slot {s.slot}: KV length {self.kv.lengths[s.slot]} != step start {s.start}")
             ids += s.token_ids
             rows += range(len(ids) - s.num_logits, len(ids))
         meta = AttentionMetadata.build(
@@ -61,7 +63,5 @@ class ModelRunner:
         logits_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
         logits = self.model(input_ids, meta, self.kv, logits_rows)
         for s in seqs:
-            if self.kv.lengths[s.slot] != s.start:
-                raise RuntimeError(f"slot {s.slot}: KV length {self.kv.lengths[s.slot]} != step start {s.start}")
             self.kv.extend(s.slot, s.start + len(s.token_ids))
         return logits

@@ -84,20 +84,17 @@ class Scheduler:
         k = min(k, self.max_model_len - len(req.all_token_ids) - 1)
         return max(k, 0)
 
-    def schedule_decodes(self) -> tuple[list[ScheduledRequest], int]:
+    def schedule_decodes(self) -> list[ScheduledRequest]:
         """Phase 1 of a step: every decoding request gets its 1 token, then draft allowances (k caps)
-        from what is left of the budget, in FCFS order.
-
-        Returns:
-            (scheduled decodes, the budget left if every allowance were used in full).
-        """
+        from what is left of the budget, in FCFS order. The engine charges the drafts really proposed
+        when it calls `schedule_prefills`."""
         decoding = [r for r in self.running if not r.in_prefill]
         out = [ScheduledRequest(r, is_prefill=False) for r in decoding[: self.budget]]
         budget = self.budget - len(out)
         for s in out:
             s.max_drafts = min(self.max_drafts_for(s.request, len(decoding)), budget)
             budget -= s.max_drafts
-        return out, budget
+        return out
 
     def schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
         """Phase 2: prompt chunks within `budget` tokens (what the decodes really left after drafting),
