@@ -64,8 +64,6 @@ class LLMEngine:
         self._aborted: list[Request] = []
         self._proposers: dict[Any, Proposer] = {}
         self._seed_stream = random.Random(config.seed)
-        self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
-        self.num_steps = 0
         if config.speculative_config is not None:
             self.prepare_speculative_config(config.speculative_config)
 
@@ -185,7 +183,6 @@ class LLMEngine:
                 r.drafts, r.draft_probs = [], None
             raise
         outputs += self._verify_and_commit(scheduled, logits)
-        self.num_steps += 1
         return outputs
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> None:
@@ -262,9 +259,7 @@ class LLMEngine:
         return self._make_output(r)
 
     def _count_spec(self, r: Request, num_draft: int, accepted: int, committed: int) -> None:
-        step = SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed)
-        r.spec_stats.add(step)
-        self.spec_stats.setdefault(r.spec.method, SpecStats()).add(step)
+        r.spec_stats.add(SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed))
 
     def _finish(self, r: Request) -> None:
         r.status = RequestStatus.FINISHED
