@@ -43,6 +43,11 @@ class LLMEngine:
         config: EngineConfig (model, dtype, device, max_model_len, max_num_seqs, token budget, default
             speculative config, seed).
 
+    Attributes:
+        spec_stats: speculation counters summed over every request this engine ran (running and
+            finished), by method name ("ngram", "suffix", "draft_model"); the per-request ones are on
+            each RequestOutput.spec.
+
     Raises:
         specserve.models.ModelError, ModelConfigError, WeightLoadError: the model cannot be loaded.
         ConfigError: invalid speculative config (e.g. a draft model with another vocabulary).
@@ -64,6 +69,7 @@ class LLMEngine:
         self._aborted: list[Request] = []
         self._proposers: dict[Any, Proposer] = {}
         self._seed_stream = random.Random(config.seed)
+        self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
         if config.speculative_config is not None:
             self.prepare_speculative_config(config.speculative_config)
 
@@ -259,7 +265,9 @@ class LLMEngine:
         return self._make_output(r)
 
     def _count_spec(self, r: Request, num_draft: int, accepted: int, committed: int) -> None:
-        r.spec_stats.add(SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed))
+        step = SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed)
+        r.spec_stats.add(step)
+        self.spec_stats.setdefault(r.spec.method, SpecStats()).add(step)
 
     def _finish(self, r: Request) -> None:
         r.status = RequestStatus.FINISHED
