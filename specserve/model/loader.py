@@ -1,8 +1,9 @@
 """Load a Hugging Face model folder (config.json + *.safetensors) into our `CausalLM`.
 
 What it does: builds the module on the meta device (no throwaway random init), assigns the checkpoint
-tensors in the requested dtype/device, handles tied embeddings, and fuses projections. What it does
-not do: download or convert models (see `specserve.models`).
+tensors in the requested dtype/device, handles tied embeddings, fuses projections, and on the CPU
+moves the weights into huge-page memory (`specserve.model.weight_memory`). What it does not do:
+download or convert models (see `specserve.models`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from specserve.model.config import ModelConfig
 from specserve.model.llama import CausalLM, RotaryEmbedding
+from specserve.model.weight_memory import move_weights_to_huge_pages
 
 
 class WeightLoadError(RuntimeError):
@@ -45,7 +47,7 @@ def load_model(
         max_positions: size of the RoPE table (the engine's max_model_len).
 
     Returns:
-        the model in eval mode, with fused projections.
+        the model in eval mode, with fused projections (on the CPU, weights in `model.weight_arena`).
 
     Raises:
         WeightLoadError: checkpoint mismatch (missing or unexpected tensors, wrong shapes).
@@ -74,5 +76,8 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)
     model.fuse_projections()
+    if torch.device(device).type == "cpu":
+        # also copies the tensors still backed by the memory-mapped checkpoint file into our own memory
+        model.weight_arena = move_weights_to_huge_pages(model)
     model.eval()
     return model
