@@ -2,10 +2,10 @@
 
 Why: decoding streams every weight once per step, so the page size matters (one TLB entry per 4 KiB
 page vs per 2 MiB). On the 2-core CI-class machine, a single-thread fp32 decode step of
-qwen2.5-coder-0.5b took about 1.5x as long with the weights left as views of the memory-mapped
-safetensors file (what `safe_open` returns) and about 1.1-1.15x as long from ordinary heap tensors (4 KiB
-pages when the kernel's THP mode is "madvise") as from huge-page memory:
-`benchmarks/verify_cost.py` measures the three side by side (docs/benchmarks/verify_cost_*.json).
+qwen2.5-coder-0.5b took 1.1-1.5x as long (three runs; the more loaded the host, the larger) with the
+weights left as views of the memory-mapped safetensors file (what `safe_open` returns), and 1.0-1.15x
+as long from ordinary heap tensors (4 KiB pages when the kernel's THP mode is "madvise"), as from
+huge-page memory. `benchmarks/verify_cost.py` measures the three side by side.
 
 What it does: copies all parameters of a module into one anonymous memory mapping advised with
 MADV_HUGEPAGE and points the parameters at views of it (same values, same dtypes and shapes). What it
