@@ -79,6 +79,7 @@ def main() -> None:
                 secs[who].append(time.perf_counter() - t)
             match.append(toks["specserve"] == toks["transformers"] == toks["transformers_huge_pages"])
     n = args.max_tokens
+    rate = {who: n * len(secs[who]) / sum(secs[who]) for who in names}
     ratios = [h / o for o, h in zip(secs["specserve"], secs["transformers"])]
     ratios_hp = [h / o for o, h in zip(secs["specserve"], secs["transformers_huge_pages"])]
     res = {
@@ -87,9 +88,9 @@ def main() -> None:
         "max_tokens": n,
         "prompts": len(prompts),
         "repeats": args.repeats,
-        "ours_tokens_per_s": n * len(secs["specserve"]) / sum(secs["specserve"]),
-        "transformers_tokens_per_s": n * len(secs["transformers"]) / sum(secs["transformers"]),
-        "transformers_huge_pages_tokens_per_s": n * len(secs["transformers_huge_pages"]) / sum(secs["transformers_huge_pages"]),
+        "ours_tokens_per_s": rate["specserve"],
+        "transformers_tokens_per_s": rate["transformers"],
+        "transformers_huge_pages_tokens_per_s": rate["transformers_huge_pages"],
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
@@ -105,7 +106,8 @@ def main() -> None:
     print(f"{'transformers':<32}{res['transformers_tokens_per_s']:>10.2f}")
     print(f"{'transformers, huge-page weights':<32}{res['transformers_huge_pages_tokens_per_s']:>10.2f}")
     print(f"ratio specserve/transformers: median {res['ratio_median']:.2f} (min {res['ratio_min']:.2f}, "
-          f"max {res['ratio_max']:.2f}) over {len(ratios)} paired runs; identical tokens {res['greedy_tokens_identical']}")
+          f"max {res['ratio_max']:.2f}) over {len(ratios)} paired runs; "
+          f"identical tokens {res['greedy_tokens_identical']}")
     print(f"ratio specserve/transformers with huge-page weights: median {res['ratio_vs_huge_pages_median']:.2f} "
           f"(min {res['ratio_vs_huge_pages_min']:.2f}, max {res['ratio_vs_huge_pages_max']:.2f})")
     if args.out:

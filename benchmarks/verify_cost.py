@@ -6,9 +6,11 @@ anonymous mapping advised with MADV_HUGEPAGE, what the loader does on the CPU), 
 in an ordinary heap tensor, i.e. 4 KiB pages when the kernel's THP mode is "madvise") and `file` (what
 the loader did before: checkpoint tensors left as views of the memory-mapped safetensors file, fused
 q/k/v and gate/up in the heap). All modes use the same model and KV cache (the parameters are swapped
-between the copies), measured in rotating order so that machine noise hits every mode alike. Batch 1, context of --context tokens already in the KV cache.
+between the copies), measured in rotating order so that machine noise hits every mode alike. Batch 1,
+--context tokens already in the KV cache.
 
     python benchmarks/verify_cost.py --model qwen2.5-coder-0.5b-instruct --threads 1 --out docs/benchmarks
+    python benchmarks/verify_cost.py --threads 1 --repeats 5 --tag run2 --out docs/benchmarks
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 
 
 def file_backed(target, params) -> list[torch.Tensor]:
-    """The parameters as the loader used to leave them: checkpoint tensors as views of the mmapped file."""
+    """The parameters as the loader used to leave them (one tensor per entry of `params`, same order):
+    checkpoint tensors of the same dtype and shape as views of the memory-mapped file, the rest (fused
+    q/k/v and gate/up) as heap copies."""
     from safetensors import safe_open
 
     names = {id(p): n for n, p in target.model.named_parameters()}
@@ -47,6 +51,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--weights", default="arena,heap,file", help="comma-separated: arena, heap, file")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--tag", default=None, help="suffix for the output file name (keep several runs)")
     ap.add_argument("--out", default=None, help="folder for the JSON results")
     args = ap.parse_args()
     if args.threads:
@@ -110,7 +115,8 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"verify_cost_{args.model}.json").write_text(json.dumps(res, indent=2) + "\n")
+        name = f"verify_cost_{args.model}" + (f"_{args.tag}" if args.tag else "")
+        (out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res))
 
 

@@ -74,10 +74,13 @@ def load_model(
     if missing:
         raise WeightLoadError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(state, assign=True, strict=True)
+    del state, expected  # the model now holds the only references (so the move below frees as it goes)
     model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)
     model.fuse_projections()
     if torch.device(device).type == "cpu":
-        # also copies the tensors still backed by the memory-mapped checkpoint file into our own memory
+        # Also copies the tensors still backed by the memory-mapped checkpoint (when no dtype conversion
+        # was needed) into private memory: each loading process then holds its own copy of the weights
+        # instead of sharing the file's page cache, in exchange for huge pages.
         model.weight_arena = move_weights_to_huge_pages(model)
     model.eval()
     return model

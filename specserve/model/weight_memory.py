@@ -1,11 +1,12 @@
 """CPU weight memory backed by transparent huge pages.
 
-Why: decoding streams every weight once per step, so the page size matters (one TLB entry per 4 KiB
-page vs per 2 MiB). On the 2-core CI-class machine, a single-thread fp32 decode step of
-qwen2.5-coder-0.5b took 1.1-1.5x as long (three runs; the more loaded the host, the larger) with the
-weights left as views of the memory-mapped safetensors file (what `safe_open` returns), and 1.0-1.15x
-as long from ordinary heap tensors (4 KiB pages when the kernel's THP mode is "madvise"), as from
-huge-page memory. `benchmarks/verify_cost.py` measures the three side by side.
+Why: decoding streams every weight once per step, so the page size can matter (one TLB entry per 4 KiB
+page vs per 2 MiB). On the 2-core CI-class machine, single-thread fp32 qwen2.5-coder-0.5b, two recorded
+runs of `benchmarks/verify_cost.py` (docs/benchmarks/verify_cost_*.json) measured a decode step 1.10-1.12x
+slower with the weights the old loader left in the memory-mapped safetensors file, and 1.01x slower
+from ordinary heap tensors (4 KiB pages when the kernel's THP mode is "madvise"), than from huge-page
+memory. transformers' default load, which leaves every tensor in the mapped file, gained 1.6x from the
+same move (benchmarks/engine_vs_transformers.py).
 
 What it does: copies all parameters of a module into one anonymous memory mapping advised with
 MADV_HUGEPAGE and points the parameters at views of it (same values, same dtypes and shapes). What it
@@ -26,17 +27,30 @@ _ALIGN = 64  # bytes; every tensor starts on a cache line
 
 
 class WeightArena:
-    """One anonymous, huge-page-advised memory mapping holding a module's CPU parameters.
+    """One anonymous memory mapping, advised with MADV_HUGEPAGE, holding a module's CPU parameters.
+
+    The mapping lives as long as any tensor viewing it (torch.frombuffer keeps it referenced); it is
+    never closed explicitly, since closing it under live views would leave dangling pointers.
+
+    Args:
+        nbytes: size in bytes (at least 1).
 
     Attributes:
         nbytes: size of the mapping in bytes.
-        huge_pages: whether madvise(MADV_HUGEPAGE) was accepted (False where the OS lacks it; the
-            weights then live in ordinary pages, which is correct, only slower).
+        huge_pages: whether madvise(MADV_HUGEPAGE) was accepted. The kernel still decides: with THP
+            disabled ("never") the advice is accepted and ignored; where the OS has no MADV_HUGEPAGE
+            (macOS, Windows) this is False. Either way the weights are correct, only maybe slower.
+
+    Raises:
+        OSError: the mapping cannot be created (out of memory / address space).
     """
 
     def __init__(self, nbytes: int):
         self.nbytes = max(nbytes, 1)
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MAP_PRIVATE"):  # POSIX
+            self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:  # Windows: an anonymous, pagefile-backed mapping
+            self._map = mmap.mmap(-1, self.nbytes)
         self.huge_pages = False
         advice = getattr(mmap, "MADV_HUGEPAGE", None)
         if advice is not None:
@@ -48,8 +62,15 @@ class WeightArena:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        """A tensor of like's dtype and shape at byte `offset` of the mapping (not yet filled)."""
+        """A contiguous tensor with like's dtype and shape at byte `offset` of the mapping (contents not set).
+
+        Raises:
+            ValueError: the tensor would not fit inside the mapping, or offset is not a multiple of
+                like's element size.
+        """
         n = like.numel() * like.element_size()
+        if offset < 0 or offset + n > self.nbytes or offset % like.element_size():
+            raise ValueError(f"WeightArena.view: {n} bytes at offset {offset} do not fit a {self.nbytes}-byte arena")
         return self._bytes[offset : offset + n].view(like.dtype).view(like.shape)
 
     def contains(self, t: torch.Tensor) -> bool:
@@ -58,30 +79,45 @@ class WeightArena:
         return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + self.nbytes
 
 
+def _same_tensor_key(t: torch.Tensor) -> tuple:
+    """Identifies tensors that are the same memory viewed the same way (weights tied via two Parameters)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def move_weights_to_huge_pages(module: nn.Module) -> WeightArena:
     """Copy every parameter of `module` (all on the CPU) into one WeightArena, in place.
 
-    Each parameter's old storage is freed as soon as it is copied (the module held the only reference),
-    so peak memory grows by about one tensor, not by the whole model.
+    Parameters keep their dtypes, shapes and values; afterwards they are contiguous views of the arena.
+    Tied weights stay tied: one Parameter object used twice, or two Parameters viewing the same memory
+    the same way, get one copy. A parameter's old storage is freed when it is copied if nothing else
+    references it (the loader drops its own references first), so peak memory grows by about one
+    tensor rather than by the whole model.
 
     Returns:
-        The arena; keep a reference to it for as long as the module lives (the loader stores it on the
-        model as `weight_arena`).
+        The arena (the loader stores it on the model as `weight_arena`; the parameters keep it alive).
 
     Raises:
         ValueError: a parameter is not on the CPU.
+        OSError: the arena cannot be allocated.
     """
-    params = list(dict.fromkeys(module.parameters()))  # tied weights appear once
+    params = list(dict.fromkeys(module.parameters()))  # a Parameter used twice appears once
+    slots: dict[tuple, int] = {}
     offsets, total = [], 0
     for p in params:
         if p.device.type != "cpu":
             raise ValueError(f"move_weights_to_huge_pages: parameter on {p.device}, expected cpu")
-        offsets.append(total)
-        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        key = _same_tensor_key(p.data)
+        if key not in slots:
+            slots[key] = total
+            total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        offsets.append(slots[key])
     arena = WeightArena(total)
-    with torch.no_grad():
+    moved: dict[int, torch.Tensor] = {}
+    # inference_mode(False): the views must be normal tensors even if the caller runs under inference_mode
+    with torch.inference_mode(False), torch.no_grad():
         for p, off in zip(params, offsets):
-            dst = arena.view(off, p.data)
-            dst.copy_(p.data)
-            p.data = dst
+            if off not in moved:
+                moved[off] = arena.view(off, p.data)
+                moved[off].copy_(p.data)
+            p.data = moved[off]
     return arena
