@@ -62,7 +62,7 @@ def main() -> None:
 
     llm = LLM(args.model, max_model_len=args.context + args.max_new + 1, max_num_seqs=1, device="cpu")
     target = llm.engine.target
-    params = list(dict.fromkeys(target.model.parameters()))
+    params = list(target.model.parameters())
     modes = args.weights.split(",")
     if set(modes) - {"arena", "heap", "file"} or "arena" not in modes:
         raise SystemExit("--weights: a comma-separated subset of arena,heap,file that includes arena")

@@ -100,7 +100,7 @@ def move_weights_to_huge_pages(module: nn.Module) -> WeightArena:
         ValueError: a parameter is not on the CPU.
         OSError: the arena cannot be allocated.
     """
-    params = list(dict.fromkeys(module.parameters()))  # a Parameter used twice appears once
+    params = list(module.parameters())  # parameters() lists a Parameter used twice once
     slots: dict[tuple, int] = {}
     offsets, total = [], 0
     for p in params:

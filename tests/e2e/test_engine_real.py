@@ -14,7 +14,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.engine.model_runner import SeqInput
-from tests.helpers.cases import assert_greedy_equal
+from tests.helpers.cases import Submission, assert_greedy_equal, run_engine
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("torch_threads")]
 
@@ -80,13 +80,8 @@ def test_mixed_methods_batch_equals_solo_baseline(real_model):
     cfgs = [None, SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=4),
             SpeculativeConfig("suffix", 5), SpeculativeConfig("draft_model", 8, model=path)]
     plan = [(i, c) for i in range(len(prompts)) for c in cfgs]
-    for n, (i, c) in enumerate(plan):
-        eng.add_request(f"r{n}", prompts[i], params, speculative_config=c)
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
+    streams = run_engine(eng, [Submission(f"r{n}", prompts[i], params, c) for n, (i, c) in enumerate(plan)])
+    done = {rid: st.final for rid, st in streams.items()}
     for n, (i, c) in enumerate(plan):
         assert_greedy_equal(llm, prompts[i], done[f"r{n}"].token_ids, base[i], msg=str(c))
     assert sum(done[f"r{n}"].spec.num_accepted_tokens for n in range(len(plan))) > 0

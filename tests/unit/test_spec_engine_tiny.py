@@ -8,6 +8,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.spec import proposer_key
+from tests.helpers.cases import Submission, run_engine
 from tests.helpers.proposers import WrongProposer
 
 REPEAT = "1: I will not skip any words.\n2: I will not skip any words.\n3:"
@@ -52,13 +53,9 @@ def test_greedy_equivalence_every_method_alone_and_batched(llm, base, tiny_model
     # one mixed batch: every method, and requests without speculation, side by side
     eng = llm.engine
     plan = [(p, cfg) for p in PROMPTS for cfg in list(cfgs.values()) + [None]]
-    for i, (p, cfg) in enumerate(plan):
-        eng.add_request(f"mix{k}-{i}", p, SamplingParams(**GREEDY), speculative_config=cfg)
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
+    subs = [Submission(f"mix{k}-{i}", p, SamplingParams(**GREEDY), cfg) for i, (p, cfg) in enumerate(plan)]
+    streams = run_engine(eng, subs)
+    done = {rid: st.final for rid, st in streams.items()}
     for i, (p, cfg) in enumerate(plan):
         assert done[f"mix{k}-{i}"].token_ids == base[p].token_ids, (k, cfg, p)
     assert eng.stats()["num_kv_tokens"] == 0

@@ -20,7 +20,7 @@ def test_loaded_weights_live_in_the_arena_with_checkpoint_values(request, which)
     cfg = ModelConfig.from_folder(folder)
     model = load_model(folder, cfg, torch.float32, torch.device("cpu"), 64)
     arena = model.weight_arena
-    params = list(dict.fromkeys(model.parameters()))
+    params = list(model.parameters())
     assert params and all(arena.contains(p) for p in params)
     if sys.platform == "linux":
         assert arena.huge_pages  # the advice was accepted (the kernel may still ignore it if THP is off)
