@@ -69,7 +69,7 @@ def main() -> None:
 
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import build_segment
-    from specserve.spec import proposer_key
+    from specserve.spec_decode import proposer_key
 
     if args.threads:
         torch.set_num_threads(args.threads)

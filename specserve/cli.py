@@ -30,7 +30,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from specserve.models import CATALOG, cache_root, is_ready, model_dir
+    from specserve.hub import CATALOG, cache_root, is_ready, model_dir
 
     rows = [("NAME", "ARCH", "QUANT", "GGUF SIZE", "PULLED", "PATH")]
     for e in CATALOG.values():
@@ -56,8 +56,8 @@ def _add_pull(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from specserve.models import pull
-    from specserve.models.pull import catalog_entry
+    from specserve.hub import pull
+    from specserve.hub.pull import catalog_entry
 
     for name in args.names:  # check every name before fetching anything
         catalog_entry(name)
@@ -99,8 +99,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
-    spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
-    engine = LLMEngine(EngineConfig(model=args.model, speculative_config=spec, max_model_len=args.max_model_len,
+    spec_config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
+    engine = LLMEngine(EngineConfig(model=args.model, speculative_config=spec_config, max_model_len=args.max_model_len,
                                     dtype=args.dtype, device=args.device))
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -124,9 +124,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     line = (f"\n[{engine.model_name} on {engine.device}: {len(prompt)} prompt tokens, {n} output tokens, "
             f"finish={last.finish_reason}, TTFT {1000 * ((first or end) - start):.0f} ms, decode {rate:.1f} tokens/s")
-    if spec is not None:
-        acc = last.spec.mean_acceptance_length
-        line += f", {spec.method} k={spec.num_speculative_tokens}: mean acceptance length {acc:.2f}" if acc else ", no drafts"
+    if spec_config is not None:
+        acc = last.spec_stats.mean_acceptance_length
+        line += f", {spec_config.method} k={spec_config.num_speculative_tokens}: mean acceptance length {acc:.2f}" if acc else ", no drafts"
     print(line + "]", file=sys.stderr)
     return 0
 
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from specserve.config import ConfigError
-    from specserve.models import ModelError
+    from specserve.hub import ModelError
     from specserve.sampling_params import SamplingParamsError
 
     return (ModelError, ConfigError, SamplingParamsError, ValueError)

@@ -156,7 +156,7 @@ class EngineConfig:
     """Engine-wide settings.
 
     Attributes:
-        model: catalog name, local Hugging Face folder or .gguf path (resolved by `specserve.models`).
+        model: catalog name, local Hugging Face folder or .gguf path (resolved by `specserve.hub`).
         dtype: "float32", "bfloat16" or "float16"; "auto" = float32 on CPU, bfloat16 on CUDA.
         device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).
         max_model_len: context length in tokens (prompt + output); None = the model's own limit, capped at 4096.

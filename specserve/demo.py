@@ -75,13 +75,13 @@ def _say(msg: str) -> None:
 # ---- step 1: the model ------------------------------------------------------------------------------------
 
 
-def prepare_model(spec: str, progress: bool):
+def prepare_model(model_ref: str, progress: bool):
     """ModelFiles of a catalog name (pulled if missing, with a progress bar), a folder or a .gguf."""
-    from specserve.models import CATALOG, pull, resolve_model
+    from specserve.hub import CATALOG, pull, resolve_model
 
-    if spec.strip().lower() in CATALOG:
-        return pull(spec.strip().lower(), progress=progress)
-    return resolve_model(spec)
+    if model_ref.strip().lower() in CATALOG:
+        return pull(model_ref.strip().lower(), progress=progress)
+    return resolve_model(model_ref)
 
 
 # ---- step 2: the server -------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ def _run(args: argparse.Namespace) -> int:
     report.write(out / "report.html", summary, rows)
     timings["total_s"] = time.perf_counter() - t_start
     demo = {"schema": SCHEMA, "model": summary["model"], "model_path": str(files.path),
-            "profiles": {n: (pset.profiles[n].spec.to_dict() if pset.profiles[n].spec else None) for n in names},
+            "profiles": {n: (pset.profiles[n].spec_config.to_dict() if pset.profiles[n].spec_config else None) for n in names},
             "segments": [d["segment"] for d in sources], "num_prompts_per_segment": args.num_prompts,
             "num_requests_per_profile": len(samples), "max_tokens": args.max_tokens,
             "concurrency": list(args.concurrency), "seed": args.seed, "warmup_per_profile": len(warm),

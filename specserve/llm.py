@@ -41,10 +41,10 @@ class LLM:
     """
 
     def __init__(self, model: str, speculative_config: dict | SpeculativeConfig | None = None, **kwargs: Any):
-        spec = speculative_config
-        if isinstance(spec, dict):
-            spec = SpeculativeConfig.from_dict(spec)
-        self.engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, **kwargs))
+        spec_config = speculative_config
+        if isinstance(spec_config, dict):
+            spec_config = SpeculativeConfig.from_dict(spec_config)
+        self.engine = LLMEngine(EngineConfig(model=model, speculative_config=spec_config, **kwargs))
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -73,8 +73,8 @@ class LLM:
         plist = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
-        spec = SpeculativeConfig.from_dict(speculative_config) if isinstance(speculative_config, dict) else speculative_config
-        return self._run(prompts, plist, spec, use_tqdm)
+        spec_config = SpeculativeConfig.from_dict(speculative_config) if isinstance(speculative_config, dict) else speculative_config
+        return self._run(prompts, plist, spec_config, use_tqdm)
 
     def chat(
         self,
@@ -86,7 +86,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.engine.encode_chat(c) for c in convs], sampling_params, **kwargs)
 
-    def _run(self, prompts, plist, spec, use_tqdm) -> list[GenerationOutput]:
+    def _run(self, prompts, plist, spec_config, use_tqdm) -> list[GenerationOutput]:
         eng = self.engine
         groups: list[tuple[str, Any, list[str]]] = []
         try:
@@ -97,7 +97,7 @@ class LLM:
                 groups.append((rid, prompt, children))
                 for i in range(params.n):
                     cid = f"{rid}-{i}" if params.n > 1 else rid
-                    eng.add_request(cid, prompt, child_params(params, i), speculative_config=spec)
+                    eng.add_request(cid, prompt, child_params(params, i), speculative_config=spec_config)
                     children.append(cid)
         except Exception:  # a bad prompt: the ones already queued must not linger in the engine
             for _, _, children in groups:
@@ -122,9 +122,9 @@ class LLM:
                 o = done[cid]
                 comps.append(CompletionOutput(
                     index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, logprobs=o.logprobs, num_drafts=o.spec.num_drafts,
-                    num_draft_tokens=o.spec.num_draft_tokens, num_accepted_tokens=o.spec.num_accepted_tokens,
-                    num_accepted_tokens_per_pos=list(o.spec.num_accepted_tokens_per_pos), metrics=dict(o.metrics),
+                    stop_reason=o.stop_reason, logprobs=o.logprobs, num_drafts=o.spec_stats.num_drafts,
+                    num_draft_tokens=o.spec_stats.num_draft_tokens, num_accepted_tokens=o.spec_stats.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=list(o.spec_stats.num_accepted_tokens_per_pos), metrics=dict(o.metrics),
                 ))
             results.append(GenerationOutput(rid, prompt if isinstance(prompt, str) else None, first.prompt_token_ids, comps))
         return results

@@ -101,7 +101,7 @@ class RequestOutput:
             "abort", "error" (the engine failed on this request alone; `stop_reason` says why), or None
             while running.
         stop_reason: the stop string or stop token id that ended it, when one did.
-        spec: the request's speculation counters so far.
+        spec_stats: the request's speculation counters so far.
         metrics: timestamps (seconds, time.monotonic): arrival, first_scheduled, first_token, finished.
     """
 
@@ -116,7 +116,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
-    spec: SpecStats
+    spec_stats: SpecStats
     metrics: dict[str, float | None]
 
 

@@ -34,7 +34,7 @@ class Request:
         request_id: unique id.
         prompt_token_ids: the prompt.
         params: its SamplingParams.
-        spec: its speculation setting (None = no speculation).
+        spec_config: its speculation setting (None = no speculation).
         output_token_ids: committed output tokens (nothing past a stop).
         num_computed_tokens: positions [0, n) of prompt + output whose K/V are cached. While decoding,
             this is len(all_token_ids) - 1: the newest token is fed in the next step.
@@ -48,7 +48,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    spec: SpeculativeConfig | None
+    spec_config: SpeculativeConfig | None
     generator: random.Random
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
@@ -66,7 +66,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
-    adaptive_k: int | None = None  # the request's own k under the "heuristic" schedule
+    num_speculative_tokens: int | None = None  # the request's own k under the "heuristic" schedule
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

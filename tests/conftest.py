@@ -25,7 +25,7 @@ def real_model():
 
     Never downloads: the test script pulls the models first (`specserve pull NAME`).
     """
-    from specserve.models import ModelError, resolve_model
+    from specserve.hub import ModelError, resolve_model
 
     def get(name: str):
         try:

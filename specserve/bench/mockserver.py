@@ -65,12 +65,12 @@ def make_app(specserve: bool = True, delay_s: float = 0.003, continuous_usage: b
         key = json.dumps(body.get("messages") if chat else body.get("prompt"))
         if "FAIL" in key:
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
-        spec = profile != "baseline"
-        chunks, acc = plan(key, int(body.get("max_tokens") or 16), spec)
+        speculative = profile != "baseline"
+        chunks, acc = plan(key, int(body.get("max_tokens") or 16), speculative)
         total = sum(chunks)
-        stats = {"profile": profile, "method": "ngram" if spec else None, "num_speculative_tokens": K if spec else None,
+        stats = {"profile": profile, "method": "ngram" if speculative else None, "num_speculative_tokens": K if speculative else None,
                  "num_drafts": len(acc), "num_draft_tokens": K * len(acc), "num_accepted_tokens": sum(acc),
-                 "num_accepted_tokens_per_pos": [sum(a > i for a in acc) for i in range(K)] if spec else [],
+                 "num_accepted_tokens_per_pos": [sum(a > i for a in acc) for i in range(K)] if speculative else [],
                  "acceptance_rate": sum(acc) / (K * len(acc)) if acc else None,
                  "mean_acceptance_length": 1 + sum(acc) / len(acc) if acc else None}
         pl = (("profile", profile),)

@@ -24,8 +24,8 @@ from specserve.outputs import RequestOutput, SpecStats
 from specserve.request import Request, RequestStatus
 from specserve.sample.sampler import needs_processing, sample_request
 from specserve.sampling_params import SamplingParams
-from specserve.spec import make_proposer, proposer_key
-from specserve.spec.proposer import ProposalInput, Proposer
+from specserve.spec_decode import make_proposer, proposer_key
+from specserve.spec_decode.proposer import ProposalInput, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,10 @@ class LLMEngine:
     Attributes:
         spec_stats: speculation counters summed over every request this engine ran (running and
             finished), by method name ("ngram", "suffix", "draft_model"); the per-request ones are on
-            each RequestOutput.spec.
+            each RequestOutput.spec_stats.
 
     Raises:
-        specserve.models.ModelError, ModelConfigError, WeightLoadError: the model cannot be loaded.
+        specserve.hub.ModelError, ModelConfigError, WeightLoadError: the model cannot be loaded.
         ConfigError: invalid speculative config (e.g. a draft model with another vocabulary).
     """
 
@@ -90,11 +90,11 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prepare_speculative_config(self, spec: SpeculativeConfig) -> Proposer:
-        """Create (once) the proposer for `spec`; profiles differing only in k share it."""
-        key = proposer_key(spec)
+    def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> Proposer:
+        """Create (once) the proposer for `spec_config`; profiles differing only in k share it."""
+        key = proposer_key(spec_config)
         if key not in self._proposers:
-            self._proposers[key] = make_proposer(spec, engine=self)
+            self._proposers[key] = make_proposer(spec_config, engine=self)
         return self._proposers[key]
 
     def add_request(
@@ -129,11 +129,11 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "(prompt + at least 1 output token)"
             )
-        spec = self.config.speculative_config if speculative_config is _DEFAULT else speculative_config
-        if spec is not None:
-            self.prepare_speculative_config(spec)
+        spec_config = self.config.speculative_config if speculative_config is _DEFAULT else speculative_config
+        if spec_config is not None:
+            self.prepare_speculative_config(spec_config)
         seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
-        req = Request(request_id, ids, params, spec, random.Random(seed))
+        req = Request(request_id, ids, params, spec_config, random.Random(seed))
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req
@@ -171,7 +171,7 @@ class LLMEngine:
         outputs = [self._make_output(r) for r in self._aborted]
         self._aborted.clear()
         decodes = self.scheduler.schedule_decodes()
-        self._propose([s for s in decodes if s.max_drafts > 0])
+        self._propose([s for s in decodes if s.num_speculative_tokens > 0])
         used = sum(s.num_new_tokens for s in decodes)
         scheduled = decodes + self.scheduler.schedule_prefills(self.scheduler.budget - used)
         if not scheduled:
@@ -194,15 +194,15 @@ class LLMEngine:
     def _propose(self, scheduled: list[ScheduledRequest]) -> None:
         by_proposer: dict[Any, list[ScheduledRequest]] = {}
         for s in scheduled:
-            by_proposer.setdefault(proposer_key(s.request.spec), []).append(s)
+            by_proposer.setdefault(proposer_key(s.request.spec_config), []).append(s)
         for key, group in by_proposer.items():
             inputs = [
                 ProposalInput(s.request.request_id, s.request.all_token_ids, s.request.num_prompt_tokens,
-                              s.max_drafts, s.request.params, s.request.generator)
+                              s.num_speculative_tokens, s.request.params, s.request.generator)
                 for s in group
             ]
             for s, prop in zip(group, self._proposers[key].propose(inputs)):
-                s.request.drafts = list(prop.token_ids[: s.max_drafts])
+                s.request.drafts = list(prop.token_ids[: s.num_speculative_tokens])
                 s.request.draft_probs = prop.draft_probs[: len(s.request.drafts)] if prop.draft_probs is not None else None
 
     @staticmethod
@@ -253,10 +253,10 @@ class LLMEngine:
                 # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
                 # the tokens emitted per verify step.
                 self._count_spec(r, len(r.drafts), min(res.num_accepted, n - 1), n)
-                if r.spec.num_speculative_tokens_schedule == "heuristic":
-                    k_max = r.spec.num_speculative_tokens
-                    k_now = r.adaptive_k or k_max
-                    r.adaptive_k = min(k_now + 2, k_max) if res.num_accepted == len(r.drafts) else max(k_now - 1, 1)
+                if r.spec_config.num_speculative_tokens_schedule == "heuristic":
+                    k_max = r.spec_config.num_speculative_tokens
+                    k_now = r.num_speculative_tokens or k_max
+                    r.num_speculative_tokens = min(k_now + 2, k_max) if res.num_accepted == len(r.drafts) else max(k_now - 1, 1)
             r.num_computed_tokens += 1 + accepted
             self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
         r.drafts, r.draft_probs = [], None
@@ -267,14 +267,14 @@ class LLMEngine:
     def _count_spec(self, r: Request, num_draft: int, accepted: int, committed: int) -> None:
         step = SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed)
         r.spec_stats.add(step)
-        self.spec_stats.setdefault(r.spec.method, SpecStats()).add(step)
+        self.spec_stats.setdefault(r.spec_config.method, SpecStats()).add(step)
 
     def _finish(self, r: Request) -> None:
         r.status = RequestStatus.FINISHED
         r.finished_time = time.monotonic()
         self.scheduler.remove(r)
-        if r.spec is not None:
-            self._proposers[proposer_key(r.spec)].finish_request(r.request_id, r.all_token_ids)
+        if r.spec_config is not None:
+            self._proposers[proposer_key(r.spec_config)].finish_request(r.request_id, r.all_token_ids)
         self.requests.pop(r.request_id, None)
 
     def _make_output(self, r: Request) -> RequestOutput:
@@ -297,7 +297,7 @@ class LLMEngine:
             finished=r.finished,
             finish_reason=r.finish_reason,
             stop_reason=r.stop_reason,
-            spec=r.spec_stats,
+            spec_stats=r.spec_stats,
             metrics={
                 "arrival": r.arrival_time,
                 "first_scheduled": r.first_scheduled_time,

@@ -14,7 +14,7 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import ModelRunner
 from specserve.model.config import ModelConfig
 from specserve.model.loader import DTYPES, load_model
-from specserve.models import resolve_model
+from specserve.hub import resolve_model
 
 
 def resolve_device(device: str) -> torch.device:
@@ -38,7 +38,7 @@ class LoadedModel:
     """A model, its tokenizer, its KV cache and its runner on one device (the target, or a draft model).
 
     Args:
-        spec: catalog name, Hugging Face folder or .gguf path (`specserve.models.resolve_model`).
+        model_ref: catalog name, Hugging Face folder or .gguf path (`specserve.hub.resolve_model`).
         dtype, device: as EngineConfig ("auto" = float32 on CPU, bfloat16 on CUDA).
         max_model_len: context length; None = the model's own limit capped at 4096; never above the
             model's own limit.
@@ -48,8 +48,8 @@ class LoadedModel:
         ModelError, ModelConfigError, WeightLoadError: the model cannot be found or loaded.
     """
 
-    def __init__(self, spec: str, dtype: str, device: str, max_model_len: int | None, num_slots: int):
-        self.files = resolve_model(spec)
+    def __init__(self, model_ref: str, dtype: str, device: str, max_model_len: int | None, num_slots: int):
+        self.files = resolve_model(model_ref)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         cfg = ModelConfig.from_folder(self.files.path)

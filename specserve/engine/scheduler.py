@@ -25,14 +25,14 @@ class ScheduledRequest:
         request: the request.
         is_prefill: feeding prompt tokens (a chunk) rather than decoding.
         num_prefill_tokens: prompt tokens fed this step (prefill only).
-        max_drafts: most drafts the proposer may add (decode only; 0 = plain decode).
+        num_speculative_tokens: most drafts the proposer may add (decode only; 0 = plain decode).
         samples: this step produces a token for the request (decode, or a prompt's last chunk).
     """
 
     request: Request
     is_prefill: bool
     num_prefill_tokens: int = 0
-    max_drafts: int = 0
+    num_speculative_tokens: int = 0
     samples: bool = True
 
     @property
@@ -71,14 +71,14 @@ class Scheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def max_drafts_for(self, req: Request, num_decoding: int) -> int:
+    def num_speculative_tokens_for(self, req: Request, num_decoding: int) -> int:
         """The k cap for one decoding request (shared/cases B07, B08): the step commits at most
         k + 1 tokens, so k + 1 <= tokens left under max_tokens and under the context length."""
-        if req.spec is None:
+        if req.spec_config is None:
             return 0
-        k = req.spec.k_for_batch_size(num_decoding)
-        if req.adaptive_k is not None:
-            k = min(k, req.adaptive_k)
+        k = req.spec_config.k_for_batch_size(num_decoding)
+        if req.num_speculative_tokens is not None:
+            k = min(k, req.num_speculative_tokens)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         k = min(k, self.max_model_len - len(req.all_token_ids) - 1)
@@ -92,8 +92,8 @@ class Scheduler:
         out = [ScheduledRequest(r, is_prefill=False) for r in decoding[: self.budget]]
         budget = self.budget - len(out)
         for s in out:
-            s.max_drafts = min(self.max_drafts_for(s.request, len(decoding)), budget)
-            budget -= s.max_drafts
+            s.num_speculative_tokens = min(self.num_speculative_tokens_for(s.request, len(decoding)), budget)
+            budget -= s.num_speculative_tokens
         return out
 
     def schedule_prefills(self, budget: int) -> list[ScheduledRequest]:

@@ -89,7 +89,7 @@ class ServerMetrics:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         e2e_s: float | None = None,
-        spec: SpecStats | None = None,
+        spec_stats: SpecStats | None = None,
     ) -> None:
         self.requests.labels(profile=profile, status=status, code=str(code)).inc()
         if prompt_tokens:
@@ -98,11 +98,11 @@ class ServerMetrics:
             self.generation_tokens.labels(profile=profile).inc(completion_tokens)
         if e2e_s is not None:
             self.e2e.labels(profile=profile).observe(max(0.0, e2e_s))
-        if spec is not None:
-            self.num_drafts.labels(profile=profile).inc(spec.num_drafts)
-            self.num_draft_tokens.labels(profile=profile).inc(spec.num_draft_tokens)
-            self.num_accepted_tokens.labels(profile=profile).inc(spec.num_accepted_tokens)
-            for pos, c in enumerate(spec.num_accepted_tokens_per_pos):
+        if spec_stats is not None:
+            self.num_drafts.labels(profile=profile).inc(spec_stats.num_drafts)
+            self.num_draft_tokens.labels(profile=profile).inc(spec_stats.num_draft_tokens)
+            self.num_accepted_tokens.labels(profile=profile).inc(spec_stats.num_accepted_tokens)
+            for pos, c in enumerate(spec_stats.num_accepted_tokens_per_pos):
                 self.num_accepted_per_pos.labels(profile=profile, position=str(pos)).inc(c)
 
     def set_engine_stats(self, stats: dict | None, in_flight: int) -> None:

@@ -3,7 +3,7 @@
 What it does: builds the module on the meta device (no throwaway random init), assigns the checkpoint
 tensors in the requested dtype/device, handles tied embeddings, fuses projections, and on the CPU
 moves the weights into huge-page memory (`specserve.model.weight_memory`). What it does not do:
-download or convert models (see `specserve.models`).
+download or convert models (see `specserve.hub`).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Endpoints (all need `Authorization: Bearer <token>`; a missing or wrong token is 401, and when the
 server was started without --admin-token / SPECSERVE_ADMIN_TOKEN the admin API is off: 403):
-- GET  /admin/profiles   profiles, weights, fractions, rollback state, version.
+- GET  /admin/profiles   profiles, weights, fractions, whether reverted to baseline, version.
 - PUT  /admin/weights    body {"weights": {name: number}}: replaces all weights (missing names get 0),
-                         ends a rollback. 400 for unknown names, negative numbers or an all-zero set.
-- POST /admin/rollback   all new traffic (explicit overrides too) to `baseline`.
+                         ends a revert to baseline. 400 for unknown names, negative numbers or an all-zero set.
+- POST /admin/rollback   revert to baseline: all new traffic (explicit overrides too) to `baseline`.
 Changes apply to the next request; running requests keep the profile they started with.
 What it does not do: authentication beyond one shared token, audit storage (changes are logged).
 """
@@ -63,8 +63,8 @@ def admin_router(policy: RolloutPolicy, token: str | None) -> APIRouter:
     @router.post("/rollback")
     async def rollback(request: Request):
         check(request)
-        state = policy.rollback()
-        logger.warning("admin: ROLLBACK to baseline (version %d)", state["version"])
+        state = policy.revert_to_baseline()
+        logger.warning("admin: reverted to baseline (version %d)", state["version"])
         return state
 
     return router

@@ -8,9 +8,10 @@ What it does:
   stable hash (blake2b of the key -> a point u in [0, 1), walked over the cumulative weights in profile
   order), so a user stays on one profile while the weights stay the same; raising the weight of the
   first listed profiles only moves users onto them. Without a key the draw is random.
-- `set_weights()` and `rollback()` change the weights for the NEXT request; a request that already
-  chose keeps its profile (the choice is an immutable snapshot). `rollback()` is the one rollback
-  primitive: all traffic, explicit overrides included, goes to `baseline` until weights are set again.
+- `set_weights()` and `revert_to_baseline()` change the weights for the NEXT request; a request that
+  already chose keeps its profile (the choice is an immutable snapshot). `revert_to_baseline()` is the
+  one way a rollout is undone: all traffic, explicit overrides included, goes to `baseline` until
+  weights are set again. (The HTTP endpoint keeps the operator's word: POST /admin/rollback.)
 Thread-safe (one lock). What it does not do: HTTP (see `admin.py`), metric-gated canaries.
 """
 
@@ -38,7 +39,7 @@ class ProfileForbidden(PermissionError):
 @dataclass(frozen=True)
 class Choice:
     profile: Profile
-    reason: str  # "override" | "sticky" | "weighted" | "rollback"
+    reason: str  # "override" | "sticky" | "weighted" | "rollback" (reverted to baseline)
 
 
 def stable_unit(key: str) -> float:
@@ -71,7 +72,7 @@ class RolloutPolicy:
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._weights = {n: profile_set.weights.get(n, 0.0) for n in self.profiles}
-        self._rolled_back = False
+        self._reverted = False
         self._version = 1
         self._updated_at = time.time()
 
@@ -88,7 +89,7 @@ class RolloutPolicy:
                     )
                 if requested not in self.profiles:
                     raise UnknownProfile(f"unknown profile {requested!r}; profiles: {list(self.profiles)}")
-            if self._rolled_back:
+            if self._reverted:
                 return Choice(self.profiles[BASELINE], "rollback")
             if requested is not None:
                 return Choice(self.profiles[requested], "override")
@@ -99,19 +100,19 @@ class RolloutPolicy:
     # ---- admin -------------------------------------------------------------------------------
 
     def set_weights(self, weights: dict[str, Any]) -> dict[str, Any]:
-        """Replace all weights (names not given get 0) and end a rollback. Raises ConfigError."""
+        """Replace all weights (names not given get 0) and end a revert to baseline. Raises ConfigError."""
         clean = check_weights(weights, self.profiles)
         with self._lock:
             self._weights = {n: clean.get(n, 0.0) for n in self.profiles}
-            self._rolled_back = False
+            self._reverted = False
             self._bump()
         return self.state()
 
-    def rollback(self) -> dict[str, Any]:
-        """THE rollback primitive: every new request goes to baseline until set_weights()."""
+    def revert_to_baseline(self) -> dict[str, Any]:
+        """Revert to baseline: every new request goes to baseline until set_weights()."""
         with self._lock:
             self._weights = {n: (1.0 if n == BASELINE else 0.0) for n in self.profiles}
-            self._rolled_back = True
+            self._reverted = True
             self._bump()
         return self.state()
 
@@ -126,7 +127,7 @@ class RolloutPolicy:
                 "profiles": {n: p.describe() for n, p in self.profiles.items()},
                 "weights": dict(self._weights),
                 "fractions": {n: (w / total if total else 0.0) for n, w in self._weights.items()},
-                "rolled_back": self._rolled_back,
+                "rolled_back": self._reverted,
                 "allow_profile_override": self.allow_override,
                 "version": self._version,
                 "updated_at": self._updated_at,

@@ -32,25 +32,25 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 @dataclass(frozen=True)
 class Profile:
-    """One named speculation setting. `spec` None = no speculation."""
+    """One named speculation setting. `spec_config` None = no speculation."""
 
     name: str
-    spec: SpeculativeConfig | None
+    spec_config: SpeculativeConfig | None
 
     @property
     def method(self) -> str:
-        return self.spec.method if self.spec else "none"
+        return self.spec_config.method if self.spec_config else "none"
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self.spec.num_speculative_tokens if self.spec else 0
+        return self.spec_config.num_speculative_tokens if self.spec_config else 0
 
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
-            "config": self.spec.to_dict() if self.spec else None,
+            "config": self.spec_config.to_dict() if self.spec_config else None,
         }
 
 
@@ -62,16 +62,16 @@ class ProfileSet:
     weights: dict[str, float]
 
     def __post_init__(self) -> None:
-        if BASELINE not in self.profiles or self.profiles[BASELINE].spec is not None:
+        if BASELINE not in self.profiles or self.profiles[BASELINE].spec_config is not None:
             raise ConfigError(f'profile set needs a "{BASELINE}" profile with no speculation')
         check_weights(self.weights, self.profiles)
 
-    def unique_specs(self) -> list[SpeculativeConfig]:
+    def unique_spec_configs(self) -> list[SpeculativeConfig]:
         """Distinct speculative configs, for preparing each proposer / draft model once."""
         seen: list[SpeculativeConfig] = []
         for p in self.profiles.values():
-            if p.spec is not None and p.spec not in seen:
-                seen.append(p.spec)
+            if p.spec_config is not None and p.spec_config not in seen:
+                seen.append(p.spec_config)
         return seen
 
 
@@ -99,12 +99,12 @@ def _make_profiles(raw: dict[str, Any]) -> dict[str, Profile]:
         if not _NAME_RE.match(name):
             raise ConfigError(f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -")
         try:
-            spec = SpeculativeConfig.from_dict(cfg)
+            spec_config = SpeculativeConfig.from_dict(cfg)
         except ConfigError as e:
             raise ConfigError(f"profile {name!r}: {e}") from None
-        if name == BASELINE and spec is not None:
+        if name == BASELINE and spec_config is not None:
             raise ConfigError(f'profile "{BASELINE}" must have no speculation (null)')
-        profiles[name] = Profile(name, spec)
+        profiles[name] = Profile(name, spec_config)
     if BASELINE not in profiles:
         profiles = {BASELINE: Profile(BASELINE, None), **profiles}
     return profiles
@@ -137,10 +137,10 @@ def load_profiles(path: str | Path) -> ProfileSet:
     return profile_set_from_dict(d)
 
 
-def default_profile_set(spec: SpeculativeConfig | None) -> ProfileSet:
+def default_profile_set(spec_config: SpeculativeConfig | None) -> ProfileSet:
     """Without --profiles: `baseline`, plus `default` = --speculative-config (weight 1) when given."""
     profiles = {BASELINE: Profile(BASELINE, None)}
-    if spec is None:
+    if spec_config is None:
         return ProfileSet(profiles, {BASELINE: 1.0})
-    profiles["default"] = Profile("default", spec)
+    profiles["default"] = Profile("default", spec_config)
     return ProfileSet(profiles, {BASELINE: 0.0, "default": 1.0})

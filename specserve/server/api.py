@@ -51,8 +51,8 @@ class ServerSettings:
 def create_app(engine: Any, profile_set: ProfileSet | None = None, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     profile_set = profile_set or default_profile_set(None)
-    for spec in profile_set.unique_specs():
-        engine.prepare_speculative_config(spec)  # before the engine thread exists: no concurrent calls
+    for spec_config in profile_set.unique_spec_configs():
+        engine.prepare_speculative_config(spec_config)  # before the engine thread exists: no concurrent calls
     policy = RolloutPolicy(profile_set, allow_override=settings.allow_profile_override, seed=settings.policy_seed)
     model_name = engine.model_name
     state = ServerState(

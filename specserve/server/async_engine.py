@@ -44,7 +44,7 @@ class Submission:
     request_id: str
     prompt: tuple  # ("text", str) | ("ids", list[int]) | ("chat", messages, tools)
     params: list[Any]  # one SamplingParams per choice
-    spec: Any  # SpeculativeConfig | None
+    spec_config: Any  # SpeculativeConfig | None
     arrival_time: float
     queue: asyncio.Queue
     future: asyncio.Future
@@ -99,13 +99,13 @@ class AsyncEngine:
 
     # ---- requests (event-loop thread) ----------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt: tuple, params: list[Any], spec: Any,
+    async def submit(self, request_id: str, prompt: tuple, params: list[Any], spec_config: Any,
                      arrival_time: float | None = None) -> tuple[list[int], asyncio.Queue, list[str]]:
         """Tokenize + add len(params) engine requests. Returns (prompt_ids, queue, child_ids)."""
         if self.dead is not None or not self.alive:
             raise EngineDeadError(f"engine is not running: {self.dead!r}")
         loop = asyncio.get_running_loop()
-        sub = Submission(request_id, prompt, params, spec, arrival_time or time.monotonic(),
+        sub = Submission(request_id, prompt, params, spec_config, arrival_time or time.monotonic(),
                          asyncio.Queue(), loop.create_future(),
                          [f"{request_id}-{i}" for i in range(len(params))])
         self.in_flight += len(params)
@@ -186,7 +186,7 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._routes[out.request_id]
-                    out.spec = replace(out.spec, num_accepted_tokens_per_pos=list(out.spec.num_accepted_tokens_per_pos))
+                    out.spec_stats = replace(out.spec_stats, num_accepted_tokens_per_pos=list(out.spec_stats.num_accepted_tokens_per_pos))
                     batch.append((route[0], route[1], out, out.finished))
             self._refresh_stats()
             if batch:
@@ -207,7 +207,7 @@ class AsyncEngine:
             else:
                 ids = list(sub.prompt[1])
             for cid, params in zip(sub.child_ids, sub.params):
-                eng.add_request(cid, ids, params, speculative_config=sub.spec, arrival_time=sub.arrival_time)
+                eng.add_request(cid, ids, params, speculative_config=sub.spec_config, arrival_time=sub.arrival_time)
                 added.append(cid)
         except Exception as e:  # noqa: BLE001 - the handler maps it to an HTTP status
             for cid in added:

@@ -101,9 +101,9 @@ def chat_logprobs(lps: list[TokenLogprob], tok: TokenText) -> dict[str, Any]:
 
 # ---- bodies ------------------------------------------------------------------------------------
 
-def completion_body(rid: str, created: int, model: str, choices: list[dict], use: dict, spec: dict) -> dict:
+def completion_body(rid: str, created: int, model: str, choices: list[dict], use: dict, spec_block: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": use, "specserve": spec}
+            "choices": choices, "usage": use, "specserve": spec_block}
 
 
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
@@ -112,9 +112,9 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict, spec: dict) -> dict:
+def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict, spec_block: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": use, "specserve": spec}
+            "choices": choices, "usage": use, "specserve": spec_block}
 
 
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
@@ -125,7 +125,7 @@ def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str
 
 def chunk(chat: bool, rid: str, created: int, model: str, index: int, *, text: str | None = None,
           role: str | None = None, logprobs: dict | None = None, finish_reason: str | None = None,
-          include_usage: bool = False, spec: dict | None = None) -> dict:
+          include_usage: bool = False, spec_block: dict | None = None) -> dict:
     """One streamed chunk for one choice (chat: a `delta`; completions: `text`)."""
     if chat:
         delta: dict[str, Any] = {}
@@ -141,12 +141,12 @@ def chunk(chat: bool, rid: str, created: int, model: str, index: int, *, text: s
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
     if include_usage:
         out["usage"] = None
-    if spec is not None:
-        out["specserve"] = spec
+    if spec_block is not None:
+        out["specserve"] = spec_block
     return out
 
 
-def usage_chunk(chat: bool, rid: str, created: int, model: str, use: dict, spec: dict) -> dict:
+def usage_chunk(chat: bool, rid: str, created: int, model: str, use: dict, spec_block: dict) -> dict:
     obj = "chat.completion.chunk" if chat else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use,
-            "specserve": spec}
+            "specserve": spec_block}

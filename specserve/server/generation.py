@@ -35,7 +35,7 @@ class _Choice:
     text_offset: int = 0
     finish_reason: str | None = None
     stop_reason: Any = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     done: bool = False
 
 
@@ -71,7 +71,7 @@ class Generation:
             else:
                 self.state.metrics.observe_tokens(self.profile.name, now - self.last_token_t, n_new)
             self.last_token_t = now
-        c.token_ids, c.text, c.spec = list(out.token_ids), out.text, out.spec
+        c.token_ids, c.text, c.spec_stats = list(out.token_ids), out.text, out.spec_stats
         c.logprobs = out.logprobs
         if out.finished:
             c.done, c.finish_reason, c.stop_reason = True, out.finish_reason, out.stop_reason
@@ -80,7 +80,7 @@ class Generation:
     def total_spec(self) -> SpecStats:
         total = SpecStats()
         for c in self.choices:
-            total.add(c.spec)
+            total.add(c.spec_stats)
         return total
 
     def spec_block(self) -> dict:
@@ -98,7 +98,7 @@ class Generation:
         if self.recorded:
             return
         self.recorded = True
-        spec = self.total_spec()
+        spec_stats = self.total_spec()
         now = time.monotonic()
         completion_tokens = sum(len(c.token_ids) for c in self.choices)
         rec = self.record
@@ -106,7 +106,7 @@ class Generation:
             prompt_tokens=len(self.prompt_ids), completion_tokens=completion_tokens,
             ttft_s=None if self.first_token_t is None else self.first_token_t - self.t0,
             e2e_s=now - self.t0, finish_reason=",".join(str(c.finish_reason) for c in self.choices),
-            status=status, http_status=code, error=error, **{k: v for k, v in spec.to_dict().items()},
+            status=status, http_status=code, error=error, **{k: v for k, v in spec_stats.to_dict().items()},
         )
         if self.state.request_log.log_prompts:
             rec["prompt"] = self.prompt_text
@@ -114,7 +114,7 @@ class Generation:
         self.state.request_log.write(rec)
         self.state.metrics.observe_finished(
             profile=self.profile.name, status=status, code=code, prompt_tokens=len(self.prompt_ids),
-            completion_tokens=completion_tokens, e2e_s=now - self.t0 if status == "ok" else None, spec=spec,
+            completion_tokens=completion_tokens, e2e_s=now - self.t0 if status == "ok" else None, spec_stats=spec_stats,
         )
 
     def cancel(self) -> None:
@@ -187,7 +187,7 @@ class Generation:
             return None
         return fmt.chunk(self.chat, self.rid, self.created, self.state.model_name, index,
                          text=delta, logprobs=lp, finish_reason=c.finish_reason if c.done else None,
-                         include_usage=self.include_usage, spec=self.spec_block() if c.done else None)
+                         include_usage=self.include_usage, spec_block=self.spec_block() if c.done else None)
 
     async def stream(self):
         """The SSE body. Any exit before the end (disconnect, cancel) aborts the engine requests."""

@@ -30,8 +30,8 @@ def profile_set_from_args(profiles: str | None, speculative_config: str | None) 
         raise ConfigError("give --profiles or --speculative-config, not both (a profiles file names every setting)")
     if profiles:
         return load_profiles(profiles)
-    spec = SpeculativeConfig.from_json(speculative_config) if speculative_config else None
-    return default_profile_set(spec)
+    spec_config = SpeculativeConfig.from_json(speculative_config) if speculative_config else None
+    return default_profile_set(spec_config)
 
 
 def serve(args: argparse.Namespace) -> int:

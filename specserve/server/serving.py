@@ -137,7 +137,7 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
                            code="queue_full", headers={"Retry-After": "1"})
         children = [params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(n)]
         try:
-            prompt_ids, queue, child_ids = await state.engine.submit(rid, prompt, children, profile.spec,
+            prompt_ids, queue, child_ids = await state.engine.submit(rid, prompt, children, profile.spec_config,
                                                                      arrival_time=t0)
         except Exception as e:  # noqa: BLE001 - mapped to a status
             raise _error_from_engine(e) from None

@@ -19,8 +19,8 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm_engine import RequestError
-from specserve.spec import make_proposer, proposer_key
-from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec_decode import make_proposer, proposer_key
+from specserve.spec_decode.draft_model import DraftModelProposer
 from tests.helpers.cases import (
     Submission,
     assert_greedy_equal,
@@ -104,7 +104,7 @@ def list_runs(smol, enc, base):
     for m, k in LIST_CONFIGS:
         st = runs[f"list-{m}-{k}"]
         assert_greedy_equal(smol, enc(LIST), st.final.token_ids, base[LIST].token_ids, msg=f"{m} k={k}")
-        assert st.final.spec.num_accepted_tokens > 0
+        assert st.final.spec_stats.num_accepted_tokens > 0
         out[(m, k)] = st
     return out
 
@@ -164,7 +164,7 @@ def test_b02_stop_token_inside_accepted_block(smol, enc, base, list_runs, method
     assert [i for b in st.blocks for i in b] == want.token_ids  # no token after p in any chunk
     assert "".join(st.deltas) == want.text
     assert len(st.final.token_ids) == p + 1  # usage.completion_tokens == returned tokens
-    assert st.final.spec.num_accepted_tokens > 0
+    assert st.final.spec_stats.num_accepted_tokens > 0
     assert_kv_idle(smol)
 
 
@@ -218,7 +218,7 @@ def test_b03_stop_string_inside_accepted_block(smol, enc, base, list_runs, metho
                                       blocks=list_runs[(method, k) if (method, k) in list_runs else (method, 4)].blocks)
     st = _check_stop_string(smol, enc, LIST, s, G(64, stop=[s], logprobs=2), spec(method, k), base[LIST].text)
     assert st.final.token_ids == base[LIST].token_ids[: j + 1]
-    assert st.final.spec.num_accepted_tokens > 0
+    assert st.final.spec_stats.num_accepted_tokens > 0
 
 
 # ---- B06: stop and max_tokens in the same block -------------------------------------------------------
@@ -321,7 +321,7 @@ def test_b08_context_end_inside_block(smol128):
 
 def _spec_invariants(st, k, where):
     out = st.final
-    s = out.spec
+    s = out.spec_stats
     emitted = len(out.token_ids)
     assert emitted == sum(len(b) for b in st.blocks), where  # == usage.completion_tokens
     steps = st.num_steps  # every step that committed tokens (the prefill step included)
@@ -365,7 +365,7 @@ def test_b10_counters_with_stop_inside_block(smol, enc, base, list_runs, variant
     assert st.final.token_ids == ref[:n_want]
     _spec_invariants(st, k, variant)
     after = eng.spec_stats["ngram"]
-    s = st.final.spec
+    s = st.final.spec_stats
     assert (after.num_drafts - before[0], after.num_draft_tokens - before[1], after.num_accepted_tokens - before[2]) == (
         s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
@@ -441,7 +441,7 @@ def test_b15_streaming_deltas(smol, b15_base, method):
         for o in st.outputs:  # text only grows: no chunk re-sends or rewrites earlier text
             acc += o.new_text
             assert o.text.startswith(acc)
-    assert sum(streams[f"b15-{i}"].final.spec.num_accepted_tokens for i in range(3)) > 0
+    assert sum(streams[f"b15-{i}"].final.spec_stats.num_accepted_tokens for i in range(3)) > 0
 
 
 # ---- B16: penalties under speculation ------------------------------------------------------------------
@@ -698,5 +698,5 @@ def test_qwen_greedy_logprobs_streaming(qwen, qwen_base, method, k):
         if st.final.token_ids == w.token_ids:
             assert st.final.text == w.text
         assert "\ufffd" not in "".join(st.deltas)
-    assert sum(streams[f"q{i}"].final.spec.num_accepted_tokens for i in range(2)) > 0
+    assert sum(streams[f"q{i}"].final.spec_stats.num_accepted_tokens for i in range(2)) > 0
     assert_kv_idle(qwen)

@@ -84,7 +84,7 @@ def test_mixed_methods_batch_equals_solo_baseline(real_model):
     done = {rid: st.final for rid, st in streams.items()}
     for n, (i, c) in enumerate(plan):
         assert_greedy_equal(llm, prompts[i], done[f"r{n}"].token_ids, base[i], msg=str(c))
-    assert sum(done[f"r{n}"].spec.num_accepted_tokens for n in range(len(plan))) > 0
+    assert sum(done[f"r{n}"].spec_stats.num_accepted_tokens for n in range(len(plan))) > 0
 
 
 def test_code_edit_acceptance_is_real(real_model):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.models import ModelError, pull, resolve_model
-from specserve.models.pull import MARKER, read_marker
+from specserve.hub import ModelError, pull, resolve_model
+from specserve.hub.pull import MARKER, read_marker
 
 pytestmark = pytest.mark.real_model
 NAME = "smollm2-135m-instruct"

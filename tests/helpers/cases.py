@@ -214,7 +214,7 @@ class Submission:
     rid: str
     prompt: str | list[int]
     params: Any
-    spec: Any = None  # SpeculativeConfig or None (explicit: no speculation)
+    spec_config: Any = None  # SpeculativeConfig or None (explicit: no speculation)
     at_step: int = 0
 
 
@@ -223,7 +223,7 @@ class Stream:
     """Everything one request's step outputs carried."""
 
     outputs: list[Any] = field(default_factory=list)  # every RequestOutput, in order
-    # (num_drafts, num_draft_tokens, num_accepted_tokens) right after each output (RequestOutput.spec is
+    # (num_drafts, num_draft_tokens, num_accepted_tokens) right after each output (RequestOutput.spec_stats is
     # the request's live counter object, so it is snapshotted here)
     spec_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -269,8 +269,8 @@ def run_engine(engine, subs: list[Submission], max_steps: int = 100_000) -> dict
     while pending or engine.has_unfinished_requests():
         while pending and pending[0].at_step <= step:
             s = pending.pop(0)
-            spec = SpeculativeConfig.from_dict(s.spec) if isinstance(s.spec, dict) else s.spec
-            engine.add_request(s.rid, s.prompt, s.params, speculative_config=spec)
+            spec_config = SpeculativeConfig.from_dict(s.spec_config) if isinstance(s.spec_config, dict) else s.spec_config
+            engine.add_request(s.rid, s.prompt, s.params, speculative_config=spec_config)
         for o in engine.step():
             if o.request_id not in streams:
                 continue
@@ -282,7 +282,7 @@ def run_engine(engine, subs: list[Submission], max_steps: int = 100_000) -> dict
             if o.new_logprobs is not None:
                 assert len(o.new_logprobs) == len(o.new_token_ids), f"{o.request_id}: logprob entries != new tokens"
             st.outputs.append(o)
-            st.spec_snapshots.append((o.spec.num_drafts, o.spec.num_draft_tokens, o.spec.num_accepted_tokens))
+            st.spec_snapshots.append((o.spec_stats.num_drafts, o.spec_stats.num_draft_tokens, o.spec_stats.num_accepted_tokens))
         step += 1
         assert step < max_steps, "engine did not finish"
     for rid, st in streams.items():

@@ -47,7 +47,7 @@ class _Req:
     rid: str
     prompt: list[int]
     params: Any
-    spec: Any
+    spec_config: Any
     rng: random.Random
     arrival: float
     out: list[int] = field(default_factory=list)
@@ -167,7 +167,7 @@ class FakeEngine:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             self.running.append(self.waiting.pop(0))
         for r in list(self.running):
-            k = r.spec.num_speculative_tokens if (r.spec is not None and r.out) else 0
+            k = r.spec_config.num_speculative_tokens if (r.spec_config is not None and r.out) else 0
             accepted = r.step_no % (k + 1) if k else 0
             r.step_no += 1
             committed = 0
@@ -204,5 +204,5 @@ class FakeEngine:
             new_logprobs=new_lps, token_ids=list(r.out), text=r.text,
             logprobs=list(r.lps) if r.params.logprobs is not None else None,
             finished=r.finish_reason is not None, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-            spec=r.stats, metrics={"arrival": r.arrival, "first_token": r.first_token},
+            spec_stats=r.stats, metrics={"arrival": r.arrival, "first_token": r.first_token},
         )

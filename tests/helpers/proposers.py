@@ -1,6 +1,6 @@
 """Test-only draft sources (shared/cases B25): always-wrong drafts, and right-then-wrong drafts."""
 
-from specserve.spec.proposer import Proposal
+from specserve.spec_decode.proposer import Proposal
 
 
 class WrongProposer:
@@ -24,7 +24,7 @@ class WrongProposer:
                     pos = len(inp.token_ids) - len(prompt)
             drafts = []
             if cont is not None:
-                for j in range(inp.k):
+                for j in range(inp.num_speculative_tokens):
                     t = cont[pos + j] if pos + j < len(cont) else 0
                     drafts.append(t if (self.first_right and j == 0) else (t + 1) % self.vocab)
             self.proposed.append(drafts)

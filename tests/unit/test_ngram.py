@@ -8,7 +8,7 @@ import torch
 
 from specserve.config import ConfigError, SpeculativeConfig
 from specserve.sampling_params import SamplingParams
-from specserve.spec import (
+from specserve.spec_decode import (
     NgramProposer,
     Proposer,
     SuffixProposer,
@@ -16,9 +16,9 @@ from specserve.spec import (
     proposer_key,
     register_proposer_factory,
 )
-from specserve.spec import _FACTORIES
-from specserve.spec.ngram import ngram_lookup
-from specserve.spec.proposer import Proposal, ProposalInput
+from specserve.spec_decode import _FACTORIES
+from specserve.spec_decode.ngram import ngram_lookup
+from specserve.spec_decode.proposer import Proposal, ProposalInput
 
 
 def inp(tokens, k, rid="r", n_prompt=None):

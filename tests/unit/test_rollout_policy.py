@@ -33,7 +33,7 @@ def test_profiles_file_json_and_toml(tmp_path):
     t.write_text('[profiles.baseline]\n[profiles.ngram_2]\nmethod = "ngram"\nnum_speculative_tokens = 2\n'
                  '[weights]\nbaseline = 1\nngram_2 = 3\n')
     ps = load_profiles(t)
-    assert ps.profiles["baseline"].spec is None and ps.profiles["ngram_2"].num_speculative_tokens == 2
+    assert ps.profiles["baseline"].spec_config is None and ps.profiles["ngram_2"].num_speculative_tokens == 2
     assert ps.weights == {"baseline": 1.0, "ngram_2": 3.0}
 
 
@@ -65,9 +65,9 @@ def test_profiles_errors_name_the_problem(bad, needle):
 def test_default_profile_set():
     assert default_profile_set(None).weights == {BASELINE: 1.0}
     ps = profile_set_from_dict({"profiles": {"d": {"method": "ngram"}}})
-    spec = ps.profiles["d"].spec
+    spec = ps.profiles["d"].spec_config
     d = default_profile_set(spec)
-    assert d.weights == {BASELINE: 0.0, "default": 1.0} and d.profiles["default"].spec == spec
+    assert d.weights == {BASELINE: 0.0, "default": 1.0} and d.profiles["default"].spec_config == spec
 
 
 def test_stable_unit_is_stable_and_uniformish():
@@ -132,7 +132,7 @@ def test_rollback_is_next_request_and_beats_overrides():
     pol = RolloutPolicy(profile_set_from_dict(PROFILES), allow_override=True, seed=0)
     held = pol.choose(requested="ngram_4")  # a "running" request keeps its choice
     v0 = pol.state()["version"]
-    st = pol.rollback()
+    st = pol.revert_to_baseline()
     assert st["rolled_back"] and st["weights"]["baseline"] == 1.0 and st["version"] == v0 + 1
     assert held.profile.name == "ngram_4"
     assert all(pol.choose().profile.name == BASELINE for _ in range(200))

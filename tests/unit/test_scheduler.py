@@ -54,10 +54,10 @@ def test_draft_caps_budget_max_tokens_and_context():
     decode_ready(a, n_out=2)  # 3 tokens left: at most 2 drafts (k + 1 <= tokens left)
     decode_ready(b, n_out=3)  # 58 of 64 positions used: k + 1 <= 64 - 58
     out = sched.schedule_decodes()
-    assert [s.max_drafts for s in out] == [2, 5]
+    assert [s.num_speculative_tokens for s in out] == [2, 5]
     # the budget caps drafts too: 2 decodes take 2 tokens, 14 remain for drafts
     sched.budget = 6
-    assert [s.max_drafts for s in sched.schedule_decodes()] == [2, 2]
+    assert [s.num_speculative_tokens for s in sched.schedule_decodes()] == [2, 2]
     # no speculation: never drafts
-    a.spec = None
-    assert sched.schedule_decodes()[0].max_drafts == 0
+    a.spec_config = None
+    assert sched.schedule_decodes()[0].num_speculative_tokens == 0

@@ -101,7 +101,7 @@ def test_specserve_block_names_and_sse():
     s = fmt.sse({"a": "é"})
     assert s.startswith("data: ") and s.endswith("\n\n") and json.loads(s[6:]) == {"a": "é"}
     assert fmt.SSE_DONE == "data: [DONE]\n\n"
-    ck = fmt.chunk(True, "id", 1, "m", 0, text="x", finish_reason="stop", include_usage=True, spec=b)
+    ck = fmt.chunk(True, "id", 1, "m", 0, text="x", finish_reason="stop", include_usage=True, spec_block=b)
     assert ck["choices"][0]["delta"] == {"content": "x"} and ck["usage"] is None and ck["specserve"] == b
     ck = fmt.chunk(False, "id", 1, "m", 2, text="y")
     assert ck["object"] == "text_completion" and ck["choices"][0]["index"] == 2 and "usage" not in ck
@@ -112,7 +112,7 @@ def test_metrics_names_parse_and_own_registry():
     m1.observe_first_token("ngram_4", 0.05)
     m1.observe_tokens("ngram_4", 0.1, 4)
     m1.observe_finished(profile="ngram_4", status="ok", code=200, prompt_tokens=5, completion_tokens=9, e2e_s=0.3,
-                        spec=SpecStats(3, 12, 7, [3, 2, 2, 0], 10))
+                        spec_stats=SpecStats(3, 12, 7, [3, 2, 2, 0], 10))
     m1.observe_finished(profile="none", status="error", code=400)
     m1.set_engine_stats({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25}, 3)
     samples = {}

@@ -7,7 +7,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.spec import proposer_key
+from specserve.spec_decode import proposer_key
 from tests.helpers.cases import Submission, run_engine
 from tests.helpers.proposers import WrongProposer
 

@@ -9,8 +9,8 @@ import pytest
 
 from specserve.config import SpeculativeConfig
 from specserve.sampling_params import SamplingParams
-from specserve.spec.proposer import ProposalInput, Proposer
-from specserve.spec.suffix import SuffixProposer, SuffixTree, _count, _Node
+from specserve.spec_decode.proposer import ProposalInput, Proposer
+from specserve.spec_decode.suffix import SuffixProposer, SuffixTree, _count, _Node
 
 
 def cfg(**kw):

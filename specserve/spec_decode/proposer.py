@@ -26,7 +26,7 @@ class ProposalInput:
         token_ids: prompt + committed output token ids (the last one is not yet in the target KV cache).
             The proposer must not mutate it.
         num_prompt_tokens: how many of `token_ids` are prompt.
-        k: the most drafts to return (>= 1), already capped so that the step cannot pass max_tokens or
+        num_speculative_tokens: k, the most drafts to return (>= 1), already capped so that the step cannot pass max_tokens or
             the context length.
         sampling_params: the request's sampling parameters (a draft model samples with them).
         rng: the request's own random stream; a sampling draft model draws from it so that seeded
@@ -36,7 +36,7 @@ class ProposalInput:
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    k: int
+    num_speculative_tokens: int
     sampling_params: SamplingParams
     rng: random.Random | None = None
 

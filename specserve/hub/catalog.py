@@ -2,7 +2,7 @@
 
 Each entry names the packages (pinned, in part order) and the data file inside each wheel; the data
 files concatenated in that order are one GGUF file of the given size and sha256. This module is pure
-data: fetching, checking and converting live in `specserve.models.pull`.
+data: fetching, checking and converting live in `specserve.hub.pull`.
 """
 
 from __future__ import annotations

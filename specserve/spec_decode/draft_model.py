@@ -22,7 +22,7 @@ from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
 from specserve.sample.sampler import logits_to_probs
-from specserve.spec.proposer import Proposal, ProposalInput
+from specserve.spec_decode.proposer import Proposal, ProposalInput
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class DraftModelProposer:
     """Drafts with a second model (e.g. qwen2.5-coder-0.5b-instruct for the 1.5b target).
 
     Args:
-        spec: the SpeculativeConfig (method "draft_model", model = the draft's name or path).
+        spec_config: the SpeculativeConfig (method "draft_model", model = the draft's name or path).
         engine: the LLMEngine (device, dtype, slot count and tokenizer of the target).
 
     Raises:
@@ -46,18 +46,18 @@ class DraftModelProposer:
 
     method = "draft_model"
 
-    def __init__(self, spec: SpeculativeConfig, engine):
+    def __init__(self, spec_config: SpeculativeConfig, engine):
         cfg = engine.config
-        self.draft = LoadedModel(spec.model, cfg.dtype, str(engine.device), engine.max_model_len, cfg.max_num_seqs)
+        self.draft = LoadedModel(spec_config.model, cfg.dtype, str(engine.device), engine.max_model_len, cfg.max_num_seqs)
         if self.draft.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
             raise ConfigError(
-                f"draft model {spec.model!r} does not share the target's tokenizer; a draft must use the same vocabulary"
+                f"draft model {spec_config.model!r} does not share the target's tokenizer; a draft must use the same vocabulary"
             )
         n_draft = sum(p.numel() for p in self.draft.model.parameters())
         n_target = sum(p.numel() for p in engine.target.model.parameters())
         if n_draft >= n_target:
             logger.warning("draft model %s (%.2fB parameters) is not smaller than the target (%.2fB): "
-                           "drafting will cost more than it can save", spec.model, n_draft / 1e9, n_target / 1e9)
+                           "drafting will cost more than it can save", spec_config.model, n_draft / 1e9, n_target / 1e9)
         self.target_vocab = engine.target.config.vocab_size
         self.seqs: dict[str, _DraftSeq] = {}
 
@@ -75,12 +75,12 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=1)
 
     def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
-        """Up to inp.k drafts per input; see the module docstring. Shapes: draft_probs [n, V_target]."""
+        """Up to inp.num_speculative_tokens drafts per input; see the module docstring. Shapes: draft_probs [n, V_target]."""
         max_len = self.draft.max_model_len
         plans = []  # (input, seq, k)
         for inp in inputs:
             ids = inp.token_ids
-            k = min(inp.k, max_len - len(ids))  # the draft writes positions up to len(ids) + k - 2
+            k = min(inp.num_speculative_tokens, max_len - len(ids))  # the draft writes positions up to len(ids) + k - 2
             if k <= 0:
                 plans.append((inp, None, 0))
                 continue

@@ -1,7 +1,7 @@
 """Model catalog, `pull` (packaged GGUF weights -> verified -> safetensors cache) and `resolve_model`."""
 
-from specserve.models.catalog import CATALOG, CatalogEntry, Part, catalog_names
-from specserve.models.pull import (
+from specserve.hub.catalog import CATALOG, CatalogEntry, Part, catalog_names
+from specserve.hub.pull import (
     ModelError,
     ModelFiles,
     cache_root,

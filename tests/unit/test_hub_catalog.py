@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from specserve.cli import main as cli_main
-from specserve.models import CATALOG, CatalogEntry, ModelError, Part, pull, resolve_model
-from specserve.models.pull import assemble, catalog_entry, find_wheel, is_ready, model_dir, model_lock
+from specserve.hub import CATALOG, CatalogEntry, ModelError, Part, pull, resolve_model
+from specserve.hub.pull import assemble, catalog_entry, find_wheel, is_ready, model_dir, model_lock
 
 # the package exports the function `pull`, which shadows the submodule attribute of the same name
-pull_mod = importlib.import_module("specserve.models.pull")
+pull_mod = importlib.import_module("specserve.hub.pull")
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 3, b"second part " * 50, b"\x00tail"]
 

@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.models.catalog import CATALOG, CatalogEntry, Part, catalog_names, entry_by_sha256
+from specserve.hub.catalog import CATALOG, CatalogEntry, Part, catalog_names, entry_by_sha256
 
 MARKER = "specserve.json"
 _CHUNK = 1 << 22
@@ -181,8 +181,8 @@ def verify(entry: CatalogEntry, size: int, sha256: str) -> None:
 
 
 def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> dict:
-    """Dequantize `gguf` into `out_dir` (see specserve.models.convert); imported lazily (torch)."""
-    from specserve.models.convert import convert_gguf as _convert
+    """Dequantize `gguf` into `out_dir` (see specserve.hub.convert); imported lazily (torch)."""
+    from specserve.hub.convert import convert_gguf as _convert
 
     return _convert(gguf, out_dir, progress=progress)
 
@@ -297,7 +297,7 @@ def _check_hf_folder(folder: Path) -> None:
         )
 
 
-def resolve_model(spec: str, *, pull_if_missing: bool = True) -> ModelFiles:
+def resolve_model(model_ref: str, *, pull_if_missing: bool = True) -> ModelFiles:
     """Turn a catalog name, a local Hugging Face folder or a local .gguf path into a ready ModelFiles.
 
     A catalog name that is not pulled yet is pulled if `pull_if_missing`, else refused. A .gguf file
@@ -306,7 +306,7 @@ def resolve_model(spec: str, *, pull_if_missing: bool = True) -> ModelFiles:
     Raises:
         ModelError: unknown name, model not pulled, missing path, incomplete folder, or a pull error.
     """
-    key = str(spec).strip()
+    key = str(model_ref).strip()
     if key.lower() in CATALOG:
         entry = CATALOG[key.lower()]
         if (marker := read_marker(model_dir(entry.name))) is not None:

@@ -11,7 +11,7 @@ What it does not do: keep any state. Every call looks only at the `token_ids` it
 nothing can leak from one request into another (shared/cases B28: llama.cpp's per-slot n-gram
 cache did), and a proposer instance can be shared by any number of requests and profiles. It does
 not cap k by max_tokens or the context length either: the engine does that before calling
-(`ProposalInput.k`, shared/cases B07/B08); here k is only a hard cap on the list returned.
+(`ProposalInput.num_speculative_tokens`, shared/cases B07/B08); here k is only a hard cap on the list returned.
 
 Which occurrence: the MOST RECENT one of the longest matching n-gram (vLLM takes the earliest).
 Reasons: (1) when the output repeats itself (lists, loops, a block being rewritten line by line)
@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from specserve.config import ConfigError
-from specserve.spec.proposer import Proposal, ProposalInput
+from specserve.spec_decode.proposer import Proposal, ProposalInput
 
 
 def _as_array(token_ids: Sequence[int]) -> np.ndarray:
@@ -108,9 +108,9 @@ class NgramProposer:
         self.prompt_lookup_max = prompt_lookup_max
 
     def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
-        """One Proposal per input, in order: 0..inp.k drafts each, draft_probs None (one-hot)."""
+        """One Proposal per input, in order: 0..inp.num_speculative_tokens drafts each, draft_probs None (one-hot)."""
         return [
-            Proposal(ngram_lookup(inp.token_ids, inp.k, self.prompt_lookup_min, self.prompt_lookup_max)[0], None)
+            Proposal(ngram_lookup(inp.token_ids, inp.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)[0], None)
             for inp in inputs
         ]
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.proposer import Proposal, ProposalInput
+from specserve.spec_decode.proposer import Proposal, ProposalInput
 
 
 class _Node:
@@ -288,9 +288,9 @@ class SuffixProposer:
             seq, n = st[0].seqs.setdefault(0, []), 0
         if len(toks) > n:
             st[0].extend(0, [int(x) for x in toks[n:]])
-        if inp.k <= 0:
+        if inp.num_speculative_tokens <= 0:
             return SuffixDraft()
-        args = (seq, inp.k, self.max_spec_factor, self.min_token_prob)
+        args = (seq, inp.num_speculative_tokens, self.max_spec_factor, self.min_token_prob)
         best = st[0].speculate(*args)
         best.source = "local" if best.token_ids else ""
         if self._cached:
@@ -301,7 +301,7 @@ class SuffixProposer:
         return best
 
     def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
-        """One Proposal per input, in order: 0..inp.k drafts each, draft_probs None (one-hot)."""
+        """One Proposal per input, in order: 0..inp.num_speculative_tokens drafts each, draft_probs None (one-hot)."""
         return [Proposal(self.draft(inp).token_ids, None) for inp in inputs]
 
     def finish_request(self, request_id: str, token_ids: Sequence[int]) -> None:

@@ -4,7 +4,7 @@ What it does: maps `SpeculativeConfig.method` to a factory (`ngram` -> NgramProp
 SuffixProposer, `draft_model` -> DraftModelProposer, which needs the engine passed as `engine=`; other
 methods can be added with `register_proposer_factory`), and gives `proposer_key`, the identity under which one proposer
 instance may be shared by several profiles. What it does not do: decide k (per request, in
-`ProposalInput.k`) or verify drafts (the engine and `specserve.sample.rejection` do).
+`ProposalInput.num_speculative_tokens`) or verify drafts (the engine and `specserve.sample.rejection` do).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from dataclasses import fields
 from typing import Any, Callable, Hashable
 
 from specserve.config import ConfigError, SpeculativeConfig
-from specserve.spec.ngram import NgramProposer
-from specserve.spec.proposer import Proposal, ProposalInput, Proposer
-from specserve.spec.suffix import SuffixProposer
+from specserve.spec_decode.ngram import NgramProposer
+from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer
+from specserve.spec_decode.suffix import SuffixProposer
 
 ProposerFactory = Callable[..., Proposer]
 
-# Config keys that do not change what a proposer does: k is per request (ProposalInput.k).
+# Config keys that do not change what a proposer does: k is per request (ProposalInput.num_speculative_tokens).
 _PER_REQUEST_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size", "num_speculative_tokens_schedule")
 # Keys that only matter to one method; for the others they are left out of the key.
 _METHOD_KEYS = {
@@ -44,7 +44,7 @@ def _make_suffix(config: SpeculativeConfig, **_: Any) -> Proposer:
 def _make_draft_model(config: SpeculativeConfig, engine: Any = None, **_: Any) -> Proposer:
     if engine is None:
         raise ConfigError('method "draft_model" needs the engine (device, dtype, the target tokenizer)')
-    from specserve.spec.draft_model import DraftModelProposer  # imports the engine's model loading
+    from specserve.spec_decode.draft_model import DraftModelProposer  # imports the engine's model loading
 
     return DraftModelProposer(config, engine)
 
