@@ -69,7 +69,6 @@ def main() -> None:
 
     from specserve import LLM, SamplingParams
     from specserve.bench.datasets import build_segment
-    from specserve.spec_decode import proposer_key
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,10 +87,7 @@ def main() -> None:
     accepted = defaultdict(int)
     same = defaultdict(lambda: [0, 0])
     for r in range(args.repeats):
-        for name in ("suffix", "suffix_heuristic"):  # a fresh global tree per pass
-            if name in cfgs:
-                llm.engine._proposers.pop(proposer_key(cfgs[name]), None)
-                llm.engine.prepare_speculative_config(cfgs[name])
+        llm.engine.reset_proposers()  # a fresh suffix global tree per pass (ngram keeps no state)
         for i, (s, ids) in enumerate(zip(samples, prompts)):
             params = SamplingParams(temperature=0, max_tokens=s.max_tokens)
             rot = (i + r) % len(names)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
-from specserve.engine.llm_engine import _DEFAULT, LLMEngine
+from specserve.engine.llm_engine import USE_ENGINE_DEFAULT, LLMEngine
 from specserve.outputs import CompletionOutput, GenerationOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        speculative_config: dict | SpeculativeConfig | None = _DEFAULT,
+        speculative_config: dict | SpeculativeConfig | None = USE_ENGINE_DEFAULT,
         use_tqdm: bool = False,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; one GenerationOutput per prompt, in order.

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -25,11 +26,20 @@ from specserve.request import Request, RequestStatus
 from specserve.sample.sampler import needs_processing, sample_request
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode import make_proposer, proposer_key
-from specserve.spec_decode.proposer import ProposalInput, Proposer
+from specserve.spec_decode.proposer import ProposalInput, Proposer, ProposerContext
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT: Any = object()  # "use the engine's default speculative config"
+
+class _UseEngineDefault:
+    """Type of `USE_ENGINE_DEFAULT`."""
+
+    def __repr__(self) -> str:
+        return "USE_ENGINE_DEFAULT"
+
+
+USE_ENGINE_DEFAULT: Any = _UseEngineDefault()
+"""Pass as `speculative_config` to use the engine's default speculative config (None means "no speculation")."""
 
 
 class RequestError(ValueError):
@@ -68,6 +78,15 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._proposers: dict[Any, Proposer] = {}
+        self.proposer_context = ProposerContext(
+            device=self.device,
+            dtype=str(self.target.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            num_slots=config.max_num_seqs,
+            vocab_size=self.target.config.vocab_size,
+            tokenizer=self.tokenizer,
+            num_target_params=sum(p.numel() for p in self.target.model.parameters()),
+        )
         self._seed_stream = random.Random(config.seed)
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
         if config.speculative_config is not None:
@@ -91,11 +110,63 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> Proposer:
-        """Create (once) the proposer for `spec_config`; profiles differing only in k share it."""
+        """Create (once) the proposer for `spec_config`; profiles differing only in k share it.
+
+        Raises:
+            ConfigError: no proposer for the method, or the proposer cannot be built (e.g. a draft model
+                with another vocabulary).
+        """
         key = proposer_key(spec_config)
         if key not in self._proposers:
-            self._proposers[key] = make_proposer(spec_config, engine=self)
+            self._proposers[key] = make_proposer(spec_config, self.proposer_context)
         return self._proposers[key]
+
+    def set_proposer(self, spec_config: SpeculativeConfig, proposer: Proposer) -> Proposer | None:
+        """Use `proposer` for every request whose config shares `spec_config`'s proposer key (tests and
+        benchmarks swap in instrumented or deliberately wrong proposers). Returns the one it replaces.
+
+        Raises:
+            RuntimeError: a running request drafts with the proposer being replaced (its state would be lost).
+        """
+        key = proposer_key(spec_config)
+        self._check_no_running(key)
+        previous = self._proposers.get(key)
+        self._proposers[key] = proposer
+        return previous
+
+    @contextmanager
+    def using_proposer(self, spec_config: SpeculativeConfig, proposer: Proposer) -> Iterator[Proposer]:
+        """`set_proposer` for the duration of a `with` block; the previous proposer (or none) comes back
+        afterwards, also when the block raises."""
+        key = proposer_key(spec_config)
+        previous = self.set_proposer(spec_config, proposer)
+        try:
+            yield proposer
+        finally:
+            self._check_no_running(key)
+            if previous is None:
+                self._proposers.pop(key, None)
+            else:
+                self._proposers[key] = previous
+
+    def reset_proposers(self) -> None:
+        """Drop every proposer (and its state, e.g. the suffix proposer's global tree); the next request
+        of each config builds a fresh one.
+
+        Raises:
+            RuntimeError: while any request is running or waiting.
+        """
+        if self.scheduler.has_work():
+            raise RuntimeError("reset_proposers() needs an idle engine: requests are still running or waiting")
+        self._proposers.clear()
+
+    def proposers(self) -> list[Proposer]:
+        """The proposers built so far (one per proposer key), for inspection."""
+        return list(self._proposers.values())
+
+    def _check_no_running(self, key: Any) -> None:
+        if any(proposer_key(r.spec_config) == key for r in self.requests.values()):
+            raise RuntimeError("cannot replace a proposer while a request drafting with it is in flight")
 
     def add_request(
         self,
@@ -103,14 +174,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         *,
-        speculative_config: SpeculativeConfig | None = _DEFAULT,
+        speculative_config: SpeculativeConfig | None = USE_ENGINE_DEFAULT,
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request.
 
         Args:
             prompt: text (tokenized with `encode_prompt`) or token ids.
-            speculative_config: omit for the engine default; None turns speculation off for this request.
+            speculative_config: omit (or USE_ENGINE_DEFAULT) for the engine default; None turns speculation off
+                for this request.
 
         Raises:
             RequestError: duplicate id, empty prompt, token ids outside the vocabulary, or a prompt that
@@ -129,7 +201,7 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "(prompt + at least 1 output token)"
             )
-        spec_config = self.config.speculative_config if speculative_config is _DEFAULT else speculative_config
+        spec_config = self.config.speculative_config if speculative_config is USE_ENGINE_DEFAULT else speculative_config
         if spec_config is not None:
             self.prepare_speculative_config(spec_config)
         seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
@@ -249,7 +321,7 @@ class LLMEngine:
         if not was_prefill:
             accepted = min(res.num_accepted, n)  # drafts after a stop are not committed
             if r.drafts:
-                # Stats (cases B10): a step's last emitted token is its own (recovered/bonus) token, also
+                # Stats (docs/speculation-cases.md B10): a step's last emitted token is its own (recovered/bonus) token, also
                 # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
                 # the tokens emitted per verify step.
                 self._count_spec(r, len(r.drafts), min(res.num_accepted, n - 1), n)

@@ -57,6 +57,20 @@ class Scheduler:
         """Queue a new request (FCFS)."""
         self.waiting.append(req)
 
+    def admit(self, req: Request) -> None:
+        """Move a waiting request to the running batch with a fresh KV slot (its prefill starts next).
+
+        Raises:
+            ValueError: `req` is not waiting.
+            KVCacheFullError: no free slot.
+        """
+        if req not in self.waiting:
+            raise ValueError(f"request {req.request_id!r} is not waiting")
+        req.slot = self.kv.allocate()
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def remove(self, req: Request) -> None:
         """Take a request out (finished or aborted) and free its KV slot."""
         if req in self.running:
@@ -72,7 +86,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def num_speculative_tokens_for(self, req: Request, num_decoding: int) -> int:
-        """The k cap for one decoding request (shared/cases B07, B08): the step commits at most
+        """The k cap for one decoding request (docs/speculation-cases.md B07, B08): the step commits at most
         k + 1 tokens, so k + 1 <= tokens left under max_tokens and under the context length."""
         if req.spec_config is None:
             return 0
@@ -105,10 +119,8 @@ class Scheduler:
                 return out
             budget -= self._prefill(req, budget, out)
         while self.waiting and budget > 0 and self.kv.num_free_slots > 0:
-            req = self.waiting.popleft()
-            req.slot = self.kv.allocate()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            req = self.waiting[0]
+            self.admit(req)
             budget -= self._prefill(req, budget, out)
         return out
 

@@ -1,4 +1,4 @@
-"""Commit tokens to a request one by one, with every per-token check (shared/cases B02, B03, B06, B07).
+"""Commit tokens to a request one by one, with every per-token check (docs/speculation-cases.md B02, B03, B06, B07).
 
 What it does: for each token of a verified block, in order: append it (and its logprob), then check
 EOS, stop token ids, stop strings (on incrementally detokenized text), max_tokens and the context

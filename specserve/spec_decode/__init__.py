@@ -1,23 +1,23 @@
 """Speculation proposers and the registry that builds one from a SpeculativeConfig.
 
 What it does: maps `SpeculativeConfig.method` to a factory (`ngram` -> NgramProposer, `suffix` ->
-SuffixProposer, `draft_model` -> DraftModelProposer, which needs the engine passed as `engine=`; other
-methods can be added with `register_proposer_factory`), and gives `proposer_key`, the identity under which one proposer
-instance may be shared by several profiles. What it does not do: decide k (per request, in
+SuffixProposer, `draft_model` -> DraftModelProposer, which needs a `ProposerContext`; other methods can
+be added with `register_proposer_factory`), and gives `proposer_key`, the identity under which one
+proposer instance may be shared by several profiles. What it does not do: decide k (per request, in
 `ProposalInput.num_speculative_tokens`) or verify drafts (the engine and `specserve.sample.rejection` do).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 from specserve.config import ConfigError, SpeculativeConfig
 from specserve.spec_decode.ngram import NgramProposer
-from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer
+from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext
 from specserve.spec_decode.suffix import SuffixProposer
 
-ProposerFactory = Callable[..., Proposer]
+ProposerFactory = Callable[[SpeculativeConfig, "ProposerContext | None"], Proposer]
 
 # Config keys that do not change what a proposer does: k is per request (ProposalInput.num_speculative_tokens).
 _PER_REQUEST_KEYS = ("num_speculative_tokens", "num_speculative_tokens_per_batch_size", "num_speculative_tokens_schedule")
@@ -33,20 +33,20 @@ _METHOD_KEYS = {
 }
 
 
-def _make_ngram(config: SpeculativeConfig, **_: Any) -> Proposer:
+def _make_ngram(config: SpeculativeConfig, context: ProposerContext | None) -> Proposer:
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
-def _make_suffix(config: SpeculativeConfig, **_: Any) -> Proposer:
+def _make_suffix(config: SpeculativeConfig, context: ProposerContext | None) -> Proposer:
     return SuffixProposer(config)
 
 
-def _make_draft_model(config: SpeculativeConfig, engine: Any = None, **_: Any) -> Proposer:
-    if engine is None:
-        raise ConfigError('method "draft_model" needs the engine (device, dtype, the target tokenizer)')
+def _make_draft_model(config: SpeculativeConfig, context: ProposerContext | None) -> Proposer:
+    if context is None:
+        raise ConfigError('method "draft_model" needs a ProposerContext (device, dtype, the target tokenizer)')
     from specserve.spec_decode.draft_model import DraftModelProposer  # imports the engine's model loading
 
-    return DraftModelProposer(config, engine)
+    return DraftModelProposer(config, context)
 
 
 _FACTORIES: dict[str, ProposerFactory] = {
@@ -56,24 +56,28 @@ _FACTORIES: dict[str, ProposerFactory] = {
 }
 
 
-def register_proposer_factory(method: str, factory: ProposerFactory) -> None:
-    """Register (or replace) the factory for `method`.
+def register_proposer_factory(method: str, factory: ProposerFactory | None) -> ProposerFactory | None:
+    """Register (or replace, or with None remove) the factory for `method`; returns the previous one.
 
-    `factory(config, **engine_objects)` must return a Proposer; it receives whatever keyword
-    arguments the caller passes to `make_proposer` (e.g. the target model, device, dtype).
+    `factory(config, context)` must return a Proposer; `context` is the engine's ProposerContext (None
+    when a caller builds a proposer without an engine).
     """
-    _FACTORIES[method] = factory
+    previous = _FACTORIES.pop(method, None)
+    if factory is not None:
+        _FACTORIES[method] = factory
+    return previous
 
 
-def make_proposer(config: SpeculativeConfig, **engine_objects: Any) -> Proposer:
+def make_proposer(config: SpeculativeConfig, context: ProposerContext | None = None) -> Proposer:
     """Build the proposer for `config.method`.
 
     Args:
         config: a validated SpeculativeConfig.
-        **engine_objects: passed through to the factory (ngram and suffix ignore them).
+        context: what the proposer may know of the engine (ngram and suffix ignore it).
 
     Raises:
-        ConfigError: no factory is registered for the method, naming the methods that have one.
+        ConfigError: no factory is registered for the method (naming the methods that have one), or the
+            factory needs a context and got none.
     """
     factory = _FACTORIES.get(config.method)
     if factory is None:
@@ -81,7 +85,7 @@ def make_proposer(config: SpeculativeConfig, **engine_objects: Any) -> Proposer:
             f"no proposer is available for speculative method {config.method!r} here; "
             f"available: {', '.join(sorted(_FACTORIES))}"
         )
-    return factory(config, **engine_objects)
+    return factory(config, context)
 
 
 def proposer_key(config: SpeculativeConfig | None) -> Hashable:
@@ -108,6 +112,7 @@ __all__ = [
     "Proposal",
     "ProposalInput",
     "Proposer",
+    "ProposerContext",
     "ProposerFactory",
     "SuffixProposer",
     "make_proposer",

@@ -22,7 +22,7 @@ from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
 from specserve.sample.sampler import logits_to_probs
-from specserve.spec_decode.proposer import Proposal, ProposalInput
+from specserve.spec_decode.proposer import Proposal, ProposalInput, ProposerContext
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +38,29 @@ class DraftModelProposer:
 
     Args:
         spec_config: the SpeculativeConfig (method "draft_model", model = the draft's name or path).
-        engine: the LLMEngine (device, dtype, slot count and tokenizer of the target).
+        context: the target's device, dtype, context length, slot count, vocabulary and tokenizer.
 
     Raises:
         ConfigError: the draft's tokenizer differs from the target's.
+        ModelError, WeightLoadError: the draft model cannot be found or loaded.
     """
 
     method = "draft_model"
 
-    def __init__(self, spec_config: SpeculativeConfig, engine):
-        cfg = engine.config
-        self.draft = LoadedModel(spec_config.model, cfg.dtype, str(engine.device), engine.max_model_len, cfg.max_num_seqs)
-        if self.draft.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+    def __init__(self, spec_config: SpeculativeConfig, context: ProposerContext):
+        self.draft = LoadedModel(spec_config.model, context.dtype, str(context.device), context.max_model_len,
+                                 context.num_slots)
+        if self.draft.tokenizer.get_vocab() != context.tokenizer.get_vocab():
             raise ConfigError(
-                f"draft model {spec_config.model!r} does not share the target's tokenizer; a draft must use the same vocabulary"
+                f"draft model {spec_config.model!r} does not share the target's tokenizer; "
+                "a draft must use the same vocabulary"
             )
         n_draft = sum(p.numel() for p in self.draft.model.parameters())
-        n_target = sum(p.numel() for p in engine.target.model.parameters())
-        if n_draft >= n_target:
+        if n_draft >= context.num_target_params:
             logger.warning("draft model %s (%.2fB parameters) is not smaller than the target (%.2fB): "
-                           "drafting will cost more than it can save", spec_config.model, n_draft / 1e9, n_target / 1e9)
-        self.target_vocab = engine.target.config.vocab_size
+                           "drafting will cost more than it can save", spec_config.model, n_draft / 1e9,
+                           context.num_target_params / 1e9)
+        self.target_vocab = context.vocab_size
         self.seqs: dict[str, _DraftSeq] = {}
 
     def _seq(self, request_id: str) -> _DraftSeq:

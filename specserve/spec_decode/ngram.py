@@ -8,10 +8,10 @@ same idea as vLLM's `ngram` method and transformers' `prompt_lookup_num_tokens`)
 deterministic, so `Proposal.draft_probs` is None (one-hot q for the rejection sampler).
 
 What it does not do: keep any state. Every call looks only at the `token_ids` it is given, so
-nothing can leak from one request into another (shared/cases B28: llama.cpp's per-slot n-gram
+nothing can leak from one request into another (docs/speculation-cases.md B28: llama.cpp's per-slot n-gram
 cache did), and a proposer instance can be shared by any number of requests and profiles. It does
 not cap k by max_tokens or the context length either: the engine does that before calling
-(`ProposalInput.num_speculative_tokens`, shared/cases B07/B08); here k is only a hard cap on the list returned.
+(`ProposalInput.num_speculative_tokens`, docs/speculation-cases.md B07/B08); here k is only a hard cap on the list returned.
 
 Which occurrence: the MOST RECENT one of the longest matching n-gram (vLLM takes the earliest).
 Reasons: (1) when the output repeats itself (lists, loops, a block being rewritten line by line)

@@ -10,11 +10,38 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from specserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer may know about the engine it drafts for (built once by the engine).
+
+    A proposer gets this small frozen view, never the engine itself, so that it cannot reach into
+    the scheduler, the target model or other requests.
+
+    Attributes:
+        device: the target's device; a draft model is loaded there.
+        dtype: the target's resolved dtype name ("float32", "bfloat16", "float16"); a draft model uses it.
+        max_model_len: the target's context length in tokens (prompt + output).
+        num_slots: most requests running at once (`EngineConfig.max_num_seqs`); a draft model sizes its
+            KV cache by it.
+        vocab_size: the target's vocabulary size (rows of its logits); drafts must be ids below it.
+        tokenizer: the target's tokenizer (a draft model must share its vocabulary).
+        num_target_params: parameter count of the target (a draft model warns when it is not smaller).
+    """
+
+    device: torch.device
+    dtype: str
+    max_model_len: int
+    num_slots: int
+    vocab_size: int
+    tokenizer: Any
+    num_target_params: int
 
 
 @dataclass

@@ -19,7 +19,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm_engine import RequestError
-from specserve.spec_decode import make_proposer, proposer_key
+from specserve.spec_decode import make_proposer
 from specserve.spec_decode.draft_model import DraftModelProposer
 from tests.helpers.cases import (
     Submission,
@@ -112,7 +112,7 @@ def list_runs(smol, enc, base):
 def assert_kv_idle(llm):
     s = llm.engine.stats()
     assert s["num_kv_tokens"] == 0 and s["num_running"] == 0 and s["num_free_slots"] == llm.engine.config.max_num_seqs
-    for prop in llm.engine._proposers.values():
+    for prop in llm.engine.proposers():
         if isinstance(prop, DraftModelProposer):
             draft = prop.draft
             assert draft.kv.num_used_tokens == 0 and draft.kv.num_free_slots == draft.kv.num_slots
@@ -511,14 +511,9 @@ def test_b25_wrong_drafts_roll_back(smol, enc, base, first_right):
     cfg = spec("ngram", 4, prompt_lookup_min=3, prompt_lookup_max=3)  # a proposer key of its own
     prompts = [LIST, CODE]
     truth = {tuple(enc(p)): base[p].token_ids for p in prompts}
-    eng.prepare_speculative_config(cfg)
-    key = proposer_key(cfg)
-    saved, eng._proposers[key] = eng._proposers[key], WrongProposer(truth, eng.target.config.vocab_size, first_right)
     kv_before = eng.stats()
-    try:
+    with eng.using_proposer(cfg, WrongProposer(truth, eng.target.config.vocab_size, first_right)):
         outs = gen(smol, prompts, G(24), cfg)
-    finally:
-        eng._proposers[key] = saved
     for p, o in zip(prompts, outs):
         assert_greedy_equal(smol, enc(p), o.token_ids, base[p].token_ids[:24])
         assert o.num_draft_tokens > 0
@@ -627,21 +622,15 @@ def test_b28_sequence_of_requests(smol, b28_base, cfg_kw):
     eng = smol.engine
     tok = smol.get_tokenizer()
     cfg = SpeculativeConfig.from_dict({"num_speculative_tokens": 4, **cfg_kw})
-    key = proposer_key(cfg)
-    eng.prepare_speculative_config(cfg)
-    saved = eng._proposers[key]
     seq = _b28_seq(eng)
     assert len(tok.encode("Hi")) == 1 and len(tok.encode("Hi there")) == 2
     want = b28_base
-    try:
-        fresh = eng._proposers[key] = LoggingProposer(make_proposer(cfg, engine=eng))
+    with eng.using_proposer(cfg, LoggingProposer(make_proposer(cfg, eng.proposer_context))) as fresh:
         b_fresh = gen(smol, [B_TEXT], G(32), cfg)[0]
-        logger = eng._proposers[key] = LoggingProposer(make_proposer(cfg, engine=eng))
+    with eng.using_proposer(cfg, LoggingProposer(make_proposer(cfg, eng.proposer_context))) as logger:
         got = {}
         for name, prompt, m in seq:
             got[name] = gen(smol, [prompt], G(m), cfg)[0]
-    finally:
-        eng._proposers[key] = saved
     for name, _, _ in seq:
         assert got[name].token_ids == want[name].token_ids, name
     assert b_fresh.token_ids == want["B"].token_ids

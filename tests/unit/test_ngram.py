@@ -16,7 +16,6 @@ from specserve.spec_decode import (
     proposer_key,
     register_proposer_factory,
 )
-from specserve.spec_decode import _FACTORIES
 from specserve.spec_decode.ngram import ngram_lookup
 from specserve.spec_decode.proposer import Proposal, ProposalInput
 
@@ -135,29 +134,29 @@ def test_bad_sizes_are_config_errors():
 def test_make_proposer_builds_ngram_and_suffix():
     ng = make_proposer(SpeculativeConfig(method="ngram", prompt_lookup_min=2, prompt_lookup_max=5))
     assert isinstance(ng, NgramProposer) and (ng.prompt_lookup_min, ng.prompt_lookup_max) == (2, 5)
-    sf = make_proposer(SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=8), target=object())
+    sf = make_proposer(SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=8), context=None)
     assert isinstance(sf, SuffixProposer) and sf.max_depth == 8 and sf.method == "suffix"
 
 
 def test_draft_model_needs_a_registered_factory():
     cfg = SpeculativeConfig(method="draft_model", model="tiny-draft")
-    saved = _FACTORIES.pop("draft_model", None)
+    with pytest.raises(ConfigError, match="ProposerContext"):
+        make_proposer(cfg)  # the built-in factory needs the engine's context
+    saved = register_proposer_factory("draft_model", None)
     try:
-        with pytest.raises(ConfigError, match="draft_model"):
+        with pytest.raises(ConfigError, match="no proposer is available.*draft_model"):
             make_proposer(cfg)
         made = {}
 
-        def factory(config, **engine_objects):
-            made.update(engine_objects, config=config)
+        def factory(config, context):
+            made.update(context=context, config=config)
             return NgramProposer()
 
-        register_proposer_factory("draft_model", factory)
-        assert isinstance(make_proposer(cfg, target="T"), NgramProposer)
-        assert made == {"target": "T", "config": cfg}
+        assert register_proposer_factory("draft_model", factory) is None
+        assert isinstance(make_proposer(cfg, "CTX"), NgramProposer)
+        assert made == {"context": "CTX", "config": cfg}
     finally:
-        _FACTORIES.pop("draft_model", None)
-        if saved is not None:
-            _FACTORIES["draft_model"] = saved
+        register_proposer_factory("draft_model", saved)
 
 
 def test_proposer_key_ignores_k_only():

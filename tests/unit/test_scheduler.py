@@ -48,9 +48,7 @@ def test_draft_caps_budget_max_tokens_and_context():
     a, b = req("a", 10, k8, max_tokens=5), req("b", 55, k8, max_tokens=50)
     for r in (a, b):
         sched.add(r)
-        r.slot = sched.kv.allocate()
-        sched.waiting.remove(r)
-        sched.running.append(r)
+        sched.admit(r)
     decode_ready(a, n_out=2)  # 3 tokens left: at most 2 drafts (k + 1 <= tokens left)
     decode_ready(b, n_out=3)  # 58 of 64 positions used: k + 1 <= 64 - 58
     out = sched.schedule_decodes()

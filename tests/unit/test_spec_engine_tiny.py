@@ -7,7 +7,6 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.spec_decode import proposer_key
 from tests.helpers.cases import Submission, run_engine
 from tests.helpers.proposers import WrongProposer
 
@@ -75,13 +74,8 @@ def test_always_wrong_drafts_roll_back_exactly(llm, base, first_right):
     cfg = SpeculativeConfig("ngram", 4, prompt_lookup_min=3, prompt_lookup_max=3)  # a key of its own
     truth = {tuple(eng.encode_prompt(p)): base[p].token_ids for p in PROMPTS}
     wrong = WrongProposer(truth, eng.target.config.vocab_size, first_right=first_right)
-    eng.prepare_speculative_config(cfg)
-    saved = eng._proposers[proposer_key(cfg)]
-    eng._proposers[proposer_key(cfg)] = wrong
-    try:
+    with eng.using_proposer(cfg, wrong):
         outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=cfg)
-    finally:
-        eng._proposers[proposer_key(cfg)] = saved
     for p, o in zip(PROMPTS, outs):
         c = o.outputs[0]
         assert c.token_ids == base[p].token_ids
@@ -170,13 +164,8 @@ def test_heuristic_k_schedule(llm, base, tiny_model_dir):
     cfg = SpeculativeConfig("ngram", 8, prompt_lookup_min=3, prompt_lookup_max=3, num_speculative_tokens_schedule="heuristic")
     truth = {tuple(eng.encode_prompt(p)): base[p].token_ids for p in PROMPTS}
     wrong = WrongProposer(truth, eng.target.config.vocab_size)
-    eng.prepare_speculative_config(cfg)
-    key = proposer_key(cfg)
-    saved, eng._proposers[key] = eng._proposers[key], wrong
-    try:
+    with eng.using_proposer(cfg, wrong):
         out = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=cfg)[0].outputs[0]
-    finally:
-        eng._proposers[key] = saved
     assert out.token_ids == base[PROMPTS[0]].token_ids
     sizes = [len(d) for d in wrong.proposed]
     assert sizes[:8] == [8, 7, 6, 5, 4, 3, 2, 1] and set(sizes[8:]) == {1}
