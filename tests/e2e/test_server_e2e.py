@@ -1,10 +1,11 @@
 """A real server (uvicorn on 127.0.0.1, in-process thread) over the real engine and the tiny
 random-weight model, driven by the official `openai` client.
 
-Checks issue 4's "what must hold" plus shared/cases B03, B12 and B15 through the HTTP layer: streamed
-text == non-streamed text, one logprobs entry per token, usage == tokens, n choices, every profile's
-greedy output (and logprobs) == baseline's, a stop string inside an accepted block, /metrics counters
-== the sum of per-response numbers, rollback, bad inputs, and a client disconnect freeing the KV cache.
+Checks issue 4's "what must hold" plus docs/speculation-cases.md B03, B12 and B15 through the HTTP
+layer: streamed text == non-streamed text, one logprobs entry per token, usage == tokens, n choices,
+every profile's greedy output (and logprobs) == baseline's, a stop string inside an accepted block,
+/metrics counters == the sum of per-response numbers, rollback, bad inputs, and a client disconnect
+freeing the KV cache.
 """
 
 import time

@@ -1,4 +1,4 @@
-"""Helpers for the shared/cases tests (../shared/cases/speculation-cases.md).
+"""Helpers for the tests of docs/speculation-cases.md.
 
 - `assert_greedy_equal`: the greedy equality rule. SPEC ids must equal BASE ids; where they differ, the
   test passes only if BASE's top-2 logit gap at the first differing position is under 1e-4 (a true
@@ -77,7 +77,7 @@ def assert_greedy_equal(
     tol: float = TIE_GAP,
     msg: str = "",
 ) -> int | None:
-    """The greedy equality rule (shared/cases conventions).
+    """The greedy equality rule (docs/speculation-cases.md, Conventions).
 
     Passes when spec_ids == base_ids, or when BASE's top-2 logit gap at the first differing position i
     (logits of prompt + base[:i], recomputed alone) is < `tol`. With `params` (penalties, logit_bias,

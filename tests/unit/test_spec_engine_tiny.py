@@ -1,6 +1,6 @@
 """Speculative decoding on tiny random-weight models: greedy equivalence for every method and k, alone
 and in mixed batches; stats invariants; stop/length handling inside accepted blocks; rollback.
-(shared/cases B01, B02, B06, B07, B08, B10, B25, B26 at small scale; the real-model versions live in
+(docs/speculation-cases.md B01, B02, B06, B07, B08, B10, B25, B26 at small scale; the real-model versions live in
 tests/e2e.)"""
 
 import pytest
