@@ -8,8 +8,6 @@ every profile's greedy output (and logprobs) == baseline's, a stop string inside
 freeing the KV cache.
 """
 
-import time
-
 import httpx
 import openai
 import pytest
@@ -20,6 +18,7 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
 from specserve.server.launcher import ServerThread
+from tests.helpers.waiting import wait_until
 
 PROFILES = {"profiles": {"baseline": None,
                          "ngram_4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -176,8 +175,6 @@ def test_disconnect_mid_stream_frees_kv(srv):
     with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         next(lines)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not (st.in_flight == 0 and st.stats.get("num_kv_tokens") == 0
-                                               and st.stats.get("num_running") == 0):
-        time.sleep(0.05)
+    wait_until(lambda: st.in_flight == 0 and st.stats.get("num_kv_tokens") == 0 and st.stats.get("num_running") == 0,
+               timeout_s=20)
     assert st.in_flight == 0 and st.stats["num_running"] == 0 and st.stats["num_kv_tokens"] == 0, st.stats
