@@ -30,7 +30,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from specserve.hub import CATALOG, cache_root, is_ready, model_dir
+    from specserve.hub import CATALOG, home, is_ready, model_dir
 
     rows = [("NAME", "ARCH", "QUANT", "GGUF SIZE", "PULLED", "PATH")]
     for e in CATALOG.values():
@@ -40,7 +40,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    print(f"\ncache: {cache_root()} (set SPECSERVE_HOME to move it); pull one with `specserve pull NAME`")
+    print(f"\ncache: {home()} (set SPECSERVE_HOME to move it); pull one with `specserve pull NAME`")
     return 0
 
 

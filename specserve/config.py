@@ -1,8 +1,8 @@
 """Engine and speculation configuration: frozen dataclasses with validation.
 
-`SpeculativeConfig` takes the JSON keys vLLM users already know (`--speculative-config`, DESIGN.md
-section 4). Unknown keys and methods we do not run are errors naming the valid choices; there is no
-silent fallback to "no speculation".
+`SpeculativeConfig` takes the JSON keys vLLM users already know (`--speculative-config`,
+docs/design.md section 4). Unknown keys and methods we do not run are errors naming the valid
+choices; there is no silent fallback to "no speculation".
 """
 
 from __future__ import annotations

@@ -13,12 +13,18 @@ import os
 import sys
 
 
-def _csv(kind):
+def csv_list(kind, minimum=None):
+    """An argparse type: "1,4,16" -> [1, 4, 16] of `kind`; with `minimum`, a non-empty list of values >= it."""
+    what = {int: "integers", float: "numbers"}.get(kind, f"{kind.__name__} values")
+
     def parse(s: str):
         try:
-            return [kind(x) for x in s.split(",") if x.strip()]
+            out = [kind(x) for x in s.split(",") if x.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}") from None
+        if minimum is not None and (not out or min(out) < minimum):
+            raise argparse.ArgumentTypeError(f"expected {what} >= {minimum}, got {s!r}")
+        return out
     return parse
 
 
@@ -45,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=3000,
                    help="longest chat/creative prompt taken (characters); summarize texts are 2/3 to 2x this")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_csv(int), help="closed loop, e.g. 1,4,16 (default 1)")
-    load.add_argument("--request-rate", type=_csv(float), help="open loop req/s, e.g. 2,8 or inf (gamma arrivals)")
+    load.add_argument("--concurrency", type=csv_list(int), help="closed loop, e.g. 1,4,16 (default 1)")
+    load.add_argument("--request-rate", type=csv_list(float), help="open loop req/s, e.g. 2,8 or inf (gamma arrivals)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight with --request-rate")
     p.add_argument("--profile", nargs="+", metavar="P",
@@ -143,13 +149,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     except httpx.HTTPError as e:
         print(f"specserve: error: cannot reach {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    with open(out / "requests.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    if not args.no_html:
-        report.write(out / "report.html", summary, rows)
+    report.save_run(out, summary, rows, html=not args.no_html)
     console.print_summary(summary)
     print(f"wrote {out}/summary.json, requests.jsonl{'' if args.no_html else ', report.html'}", file=sys.stderr)
     sys.stdout.flush()

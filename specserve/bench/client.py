@@ -17,6 +17,8 @@ A chunk is token-bearing when it carries text or, by usage or logprobs, at least
 may detokenize to nothing yet, e.g. part of a UTF-8 character); tokens in the final usage that no
 chunk accounted for are added to the last one, so counts sum to `completion_tokens`. A stream with
 tokens but no text and no counts gets one token-bearing chunk at its `finish_reason` chunk.
+Pieces: `sse_events` reads the stream (arrival time + parsed event), `ChunkCounter` counts tokens
+per chunk, `send_one` ties them to one request's record, `run_load` runs the whole load.
 What it does not do: compute percentiles (see `metrics.py`) or retry failed requests.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -113,6 +117,98 @@ def _counts(snaps: list, usage_mode: bool, lp_mode: bool, total: int | None) -> 
     return [round(total / n, 6)] * n, "chunks"
 
 
+async def sse_events(resp: httpx.Response, t0: float) -> AsyncIterator[tuple[float, dict]]:
+    """The SSE reader: (ms since `t0`, parsed JSON) for each `data:` event of a streamed response,
+    until `data: [DONE]`; other lines (comments, blank separators) are skipped.
+
+    Raises:
+        ValueError: an event is not valid JSON.
+    """
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield (time.perf_counter() - t0) * 1000, json.loads(data)
+
+
+@dataclass
+class ChunkCounter:
+    """The counter: the text, finish reason and tokens of each token-bearing chunk of one stream.
+
+    `add(ms, event)` takes the stream's events in order; `chunks(completion_tokens)` then gives the
+    `[[ms, tokens], ...]` of the token-bearing chunks and the count's source (module docstring).
+    """
+
+    snaps: list = field(default_factory=list)  # (ms, cum usage tokens, cum logprob tokens) per token-bearing chunk
+    cum_usage: int = 0
+    cum_lp: int = 0
+    usage_mode: bool = False
+    lp_mode: bool = False
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    finish_ms: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def add(self, ms: float, ev: dict) -> None:
+        """Count one event that arrived `ms` after the request was sent."""
+        usage, choices = ev.get("usage"), ev.get("choices") or []
+        if not choices:
+            return
+        if usage and usage.get("completion_tokens") is not None:
+            self.usage_mode, self.cum_usage = True, usage["completion_tokens"]
+        ch = choices[0]
+        n_lp = _n_logprobs(ch)
+        if n_lp is not None:
+            self.lp_mode, self.cum_lp = True, self.cum_lp + n_lp
+        piece = _chunk_text(ch)
+        self.pieces.append(piece)
+        last = self.snaps[-1] if self.snaps else (0, 0, 0)
+        if piece or self.cum_usage > last[1] or self.cum_lp > last[2]:  # text, or tokens the text holds back
+            self.snaps.append((ms, self.cum_usage, self.cum_lp))
+        if ch.get("finish_reason"):
+            self.finish_reason, self.finish_ms = ch["finish_reason"], ms
+
+    def chunks(self, total: int | None) -> tuple[list, str | None]:
+        """([[ms, tokens], ...], token count source), or ([], None) when no chunk bore a token.
+        `total` = usage.completion_tokens (None when the server sent no usage)."""
+        snaps = self.snaps
+        if not snaps and self.finish_ms is not None and (total or 0) > 0:
+            snaps = [(self.finish_ms, self.cum_usage, self.cum_lp)]  # tokens with no text at all (partial UTF-8)
+        if not snaps:
+            return [], None
+        counts, source = _counts(snaps, self.usage_mode, self.lp_mode, total)
+        return [[round(s[0], 3), c] for s, c in zip(snaps, counts)], source
+
+
+async def _http_error(resp: httpx.Response) -> str:
+    raw = (await resp.aread()).decode(errors="replace")
+    try:
+        raw = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return f"HTTP {resp.status_code}: {str(raw)[:300]}"
+
+
+def _record_event(rec: RequestRecord, ev: dict) -> str | None:
+    """Copy what an event says about the whole request (usage, the `specserve` block) into `rec`;
+    returns the error message of an error event, else None."""
+    if "error" in ev and "choices" not in ev:
+        err = ev["error"]
+        return f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+    if ev.get("specserve"):
+        rec.specserve = ev["specserve"]
+        rec.served_profile = rec.specserve.get("profile") or rec.served_profile
+    if usage := ev.get("usage"):
+        rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
+        rec.input_tokens = usage.get("prompt_tokens", rec.input_tokens)
+    return None
+
+
 async def send_one(client: httpx.AsyncClient, base_url: str, sample: Sample, model: str, t_run0: float,
                    profile: str | None = None, logprobs: bool = False, profile_header: bool = False) -> RequestRecord:
     """Send one streamed request and time it; never raises (errors go into the record)."""
@@ -120,11 +216,7 @@ async def send_one(client: httpx.AsyncClient, base_url: str, sample: Sample, mod
     headers = {"x-specserve-profile": profile} if (profile and profile_header) else {}
     rec = RequestRecord(sample.id, sample.segment, profile=profile, temperature=sample.temperature,
                         max_tokens=sample.max_tokens)
-    snaps: list = []  # (ms, cum usage tokens, cum logprob tokens) at each token-bearing chunk
-    cum_usage = cum_lp = 0
-    usage_mode = lp_mode = False
-    finish_ms = None
-    text: list[str] = []
+    counter = ChunkCounter()
     t0 = time.perf_counter()
     rec.send_time_s = t0 - t_run0
     try:
@@ -132,57 +224,20 @@ async def send_one(client: httpx.AsyncClient, base_url: str, sample: Sample, mod
             rec.status = resp.status_code
             rec.served_profile = resp.headers.get("x-specserve-profile")
             if resp.status_code != 200:
-                raw = (await resp.aread()).decode(errors="replace")
-                try:
-                    raw = json.loads(raw)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    pass
-                rec.error = f"HTTP {resp.status_code}: {str(raw)[:300]}"
+                rec.error = await _http_error(resp)
                 return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now_ms = (time.perf_counter() - t0) * 1000
-                ev = json.loads(data)
-                if "error" in ev and "choices" not in ev:
-                    err = ev["error"]
-                    rec.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                    break
-                if ev.get("specserve"):
-                    rec.specserve = ev["specserve"]
-                    rec.served_profile = rec.specserve.get("profile") or rec.served_profile
-                usage, choices = ev.get("usage"), ev.get("choices") or []
-                if usage:
-                    rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
-                    rec.input_tokens = usage.get("prompt_tokens", rec.input_tokens)
-                    if choices and usage.get("completion_tokens") is not None:
-                        usage_mode, cum_usage = True, usage["completion_tokens"]
-                if not choices:
-                    continue
-                ch = choices[0]
-                n_lp = _n_logprobs(ch)
-                if n_lp is not None:
-                    lp_mode, cum_lp = True, cum_lp + n_lp
-                piece = _chunk_text(ch)
-                text.append(piece)
-                last = snaps[-1] if snaps else (0, 0, 0)
-                if piece or cum_usage > last[1] or cum_lp > last[2]:  # text, or tokens the text holds back
-                    snaps.append((now_ms, cum_usage, cum_lp))
-                if ch.get("finish_reason"):
-                    rec.finish_reason, finish_ms = ch["finish_reason"], now_ms
+            async with aclosing(sse_events(resp, t0)) as events:
+                async for ms, ev in events:
+                    rec.error = _record_event(rec, ev)
+                    if rec.error is not None:
+                        break
+                    counter.add(ms, ev)
             rec.stream_end_ms = (time.perf_counter() - t0) * 1000
     except (httpx.HTTPError, ValueError, OSError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
-    rec.text = "".join(text)
-    if not snaps and finish_ms is not None and (rec.output_tokens or 0) > 0:
-        snaps.append((finish_ms, cum_usage, cum_lp))  # tokens with no text at all (e.g. partial UTF-8)
-    if snaps:
-        counts, rec.token_count_source = _counts(snaps, usage_mode, lp_mode, rec.output_tokens)
-        rec.chunks = [[round(s[0], 3), c] for s, c in zip(snaps, counts)]
-    elif not rec.error:
+    rec.text, rec.finish_reason = counter.text, counter.finish_reason
+    rec.chunks, rec.token_count_source = counter.chunks(rec.output_tokens)
+    if not rec.chunks and not rec.error:
         rec.error = "empty response: no token-bearing chunk"
     if not rec.error and rec.finish_reason is None:
         rec.error = "stream ended without a finish_reason"

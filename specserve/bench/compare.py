@@ -4,7 +4,8 @@ What it does: pairs groups (profile x load, averaged over repeats) with the base
 profile) at the same load and, per segment and overall, gives both values and the ratio
 candidate / baseline of each key metric, a headline `speedup` = baseline `tpot_ms_agg` / candidate
 `tpot_ms_agg` (decode time per output token, so > 1 means the candidate generates faster), and
-`greedy_match` = [identical outputs, compared] over temperature-0 requests of the first repeat.
+`greedy_match` = [identical outputs, compared] over temperature-0 requests of the first repeat;
+`profile_rows` flattens that into one row per (segment, profile) for the demo's table.
 What it does not do: judge significance (look at `spread` over `--repeats` for that).
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ KEYS = ("output_tps", "request_tps", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_agg"
         "e2e_ms_p50", "e2e_ms_p99", "error_rate", "acceptance_rate", "mean_acceptance_length")
 
 
-def _ratio(c, b):
+def ratio(c, b):
+    """c / b, or None when either is missing or b is 0."""
     return c / b if isinstance(c, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
@@ -24,8 +26,8 @@ def compare_metrics(base: dict, cand: dict) -> dict:
     """{'baseline': {k: v}, 'candidate': {k: v}, 'ratio': {k: cand/base}, 'speedup': float|None}."""
     b = {k: base.get(k) for k in KEYS}
     c = {k: cand.get(k) for k in KEYS}
-    return {"baseline": b, "candidate": c, "ratio": {k: _ratio(c[k], b[k]) for k in KEYS},
-            "speedup": _ratio(b["tpot_ms_agg"], c["tpot_ms_agg"])}
+    return {"baseline": b, "candidate": c, "ratio": {k: ratio(c[k], b[k]) for k in KEYS},
+            "speedup": ratio(b["tpot_ms_agg"], c["tpot_ms_agg"])}
 
 
 def greedy_match(rows: list[dict], base: str, cand: str, load: str) -> dict[str, list[int]]:
@@ -100,4 +102,51 @@ def compare_files(path_a: str, path_b: str) -> list[dict]:
         comp = _compare_pair({**bg, "profile": "A"}, {**cg, "profile": "B"}, rows,
                              f"{pa.parent.name or pa.name}:{want}", f"{pb.parent.name or pb.name}:{cg['profile']}")
         out.append(comp)
+    return out
+
+
+def _request_rate(rows: list[dict]) -> float | None:
+    """Output tokens / summed request time (send to last token), over successful requests: the speed one
+    request sees (equals throughput at concurrency 1, and is not diluted by other segments' requests)."""
+    ok = [r for r in rows if not r.get("error") and r.get("chunks")]
+    secs = sum(r["chunks"][-1][0] for r in ok) / 1000
+    toks = sum(r.get("output_tokens") or 0 for r in ok)
+    return toks / secs if secs > 0 else None
+
+
+def _int(x):
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def profile_rows(summary: dict, rows: list[dict]) -> list[dict]:
+    """One row per (load, segment incl. 'all', profile) of a run's summary and requests: TPOT, tokens/s
+    (output tokens / summed request time, repeat 0) and their ratios to the baseline (the speedup and
+    greedy matches are those of `compare_groups`), acceptance. The demo's table."""
+    groups = summary["groups"]
+    base = groups[0]["profile"]
+    comps = {(c["candidate"], c["load"]): c for c in summary.get("comparisons") or []}
+    out = []
+    for load in dict.fromkeys(g["load"] for g in groups):
+        gs = [g for g in groups if g["load"] == load]
+        for seg in list(dict.fromkeys(s for g in gs for s in g["segments"])) + ["all"]:
+            def rate(profile):
+                return _request_rate([r for r in rows if r["profile"] == profile and r["load"] == load
+                                      and r.get("repeat", 0) == 0 and (seg == "all" or r["segment"] == seg)])
+            base_rate = rate(base)
+            for g in gs:
+                m = g["overall"] if seg == "all" else g["segments"].get(seg)
+                if m is None:
+                    continue
+                c = comps.get((g["profile"], load))
+                cm = (c["overall"] if seg == "all" else c["segments"].get(seg, {})) if c else {}
+                tps = rate(g["profile"])
+                out.append({
+                    "load": load, "segment": seg, "profile": g["profile"], "requests": _int(m.get("num_requests")),
+                    "errors": _int(m.get("num_errors")), "output_tokens": _int(m.get("output_tokens")),
+                    "tpot_ms": m.get("tpot_ms_agg"), "tokens_per_s": tps, "speedup_tpot": cm.get("speedup"),
+                    "tokens_per_s_ratio": None if g["profile"] == base else ratio(tps, base_rate),
+                    "acceptance_rate": m.get("acceptance_rate"),
+                    "mean_acceptance_length": m.get("mean_acceptance_length"),
+                    "greedy_match": cm.get("greedy_match"),
+                })
     return out

@@ -1,8 +1,9 @@
 """Console tables (rich) for a benchmark summary and for comparisons.
 
-What it does: one table per (profile, load) with a row per segment plus `all`, and one table per
-comparison (candidate vs baseline) with ratios. Values are means over repeats. ITL is shown both
-per chunk and per token, labelled. What it does not do: write files or decide anything.
+What it does: one table per (profile, load) with a row per segment plus `all`, one table per
+comparison (candidate vs baseline) with ratios, and the demo's table of every profile against the
+baseline per segment. Values are means over repeats. ITL is shown both per chunk and per token,
+labelled. What it does not do: write files or decide anything.
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _f(v, fmt="{:.1f}", scale=1.0):
+def cell(v, fmt="{:.1f}", scale=1.0) -> str:
+    """A table cell: "-" for a missing value, else `fmt` of v * scale."""
     return "-" if v is None else fmt.format(v * scale)
 
 
-def _console(file=None) -> Console:
+def _console(file=None, width: int = 180) -> Console:
     file = file or sys.stdout
-    return Console(file=file, width=None if file.isatty() else 180, highlight=False)
+    return Console(file=file, width=None if file.isatty() else width, highlight=False)
 
 
 def _mem(group_runs: list[dict]) -> str:
@@ -40,15 +42,15 @@ def print_summary(summary: dict, file=None) -> None:
             t.add_column("goodput req/s", justify="right")
         rows = list(g["segments"].items()) + [("all", g["overall"])]
         for name, m in rows:
-            cells = [name, _f(m.get("num_requests"), "{:.0f}"), _f(m.get("error_rate"), "{:.1f}", 100),
-                     _f(m.get("output_tps")), _f(m.get("request_tps"), "{:.2f}"), _f(m.get("ttft_ms_p50")),
-                     _f(m.get("ttft_ms_p99")), _f(m.get("tpot_ms_p50")), _f(m.get("itl_chunk_ms_p50")),
-                     _f(m.get("itl_token_ms_p50")), _f(m.get("e2e_ms_p50"), "{:.0f}"),
-                     _f(m.get("e2e_ms_p99"), "{:.0f}"),
-                     _f(m.get("tokens_per_chunk"), "{:.2f}"), _f(m.get("acceptance_rate"), "{:.2f}"),
-                     _f(m.get("mean_acceptance_length"), "{:.2f}")]
+            cells = [name, cell(m.get("num_requests"), "{:.0f}"), cell(m.get("error_rate"), "{:.1f}", 100),
+                     cell(m.get("output_tps")), cell(m.get("request_tps"), "{:.2f}"), cell(m.get("ttft_ms_p50")),
+                     cell(m.get("ttft_ms_p99")), cell(m.get("tpot_ms_p50")), cell(m.get("itl_chunk_ms_p50")),
+                     cell(m.get("itl_token_ms_p50")), cell(m.get("e2e_ms_p50"), "{:.0f}"),
+                     cell(m.get("e2e_ms_p99"), "{:.0f}"),
+                     cell(m.get("tokens_per_chunk"), "{:.2f}"), cell(m.get("acceptance_rate"), "{:.2f}"),
+                     cell(m.get("mean_acceptance_length"), "{:.2f}")]
             if summary["config"].get("slo"):
-                cells.append(_f(m.get("goodput_rps"), "{:.2f}"))
+                cells.append(cell(m.get("goodput_rps"), "{:.2f}"))
             t.add_row(*cells, style="bold" if name == "all" else None)
         con.print(t)
     if summary.get("comparisons"):
@@ -66,10 +68,35 @@ def print_comparisons(comps: list[dict], file=None) -> None:
             t.add_column(col, justify="left" if col == "segment" else "right")
         for name, m in list(c["segments"].items()) + [("all", c["overall"])]:
             gm = m.get("greedy_match")
-            t.add_row(name, _f(m["baseline"]["output_tps"]), _f(m["candidate"]["output_tps"]),
-                      _f(m["ratio"]["output_tps"], "{:.2f}x"), _f(m.get("speedup"), "{:.2f}x"),
-                      _f(m["ratio"]["ttft_ms_p50"], "{:.2f}x"), _f(m["ratio"]["e2e_ms_p50"], "{:.2f}x"),
-                      _f(m["candidate"]["acceptance_rate"], "{:.2f}"),
-                      _f(m["candidate"]["mean_acceptance_length"], "{:.2f}"),
+            t.add_row(name, cell(m["baseline"]["output_tps"]), cell(m["candidate"]["output_tps"]),
+                      cell(m["ratio"]["output_tps"], "{:.2f}x"), cell(m.get("speedup"), "{:.2f}x"),
+                      cell(m["ratio"]["ttft_ms_p50"], "{:.2f}x"), cell(m["ratio"]["e2e_ms_p50"], "{:.2f}x"),
+                      cell(m["candidate"]["acceptance_rate"], "{:.2f}"),
+                      cell(m["candidate"]["mean_acceptance_length"], "{:.2f}"),
                       f"{gm[0]}/{gm[1]}" if gm else "-", style="bold" if name == "all" else None)
         con.print(t)
+
+
+def print_profile_table(rows: list[dict], title: str, file=None) -> None:
+    """One table per load, a row per (segment incl. `all`, profile): TPOT, speedup and tokens/s vs the
+    baseline, acceptance, greedy matches (rows as `compare.profile_rows` builds them)."""
+    con = _console(file, width=140)
+    for load in dict.fromkeys(r["load"] for r in rows):
+        t = Table(title=f"{title} | {load}", title_justify="left")
+        for col in ("segment", "profile", "req", "TPOT ms", "speedup", "tok/s", "tok/s ratio", "acc.len",
+                    "accept", "greedy same"):
+            t.add_column(col, justify="left" if col in ("segment", "profile") else "right")
+        lrows = [r for r in rows if r["load"] == load]
+        for i, r in enumerate(lrows):
+            gm = r["greedy_match"]
+            last = i + 1 == len(lrows) or lrows[i + 1]["segment"] != r["segment"]
+            t.add_row(r["segment"], r["profile"], cell(r["requests"], "{:.0f}"), cell(r["tpot_ms"]),
+                      cell(r["speedup_tpot"], "{:.2f}x"), cell(r["tokens_per_s"], "{:.2f}"),
+                      cell(r["tokens_per_s_ratio"], "{:.2f}x"), cell(r["mean_acceptance_length"], "{:.2f}"),
+                      cell(r["acceptance_rate"], "{:.2f}"), f"{gm[0]}/{gm[1]}" if gm else "-",
+                      style="bold" if r["segment"] == "all" else None, end_section=last)
+        con.print(t)
+    con.print("speedup = baseline TPOT / profile TPOT (decode time per output token, token-weighted; > 1 = faster); "
+              "tok/s = output tokens / summed request time (incl. TTFT), ratio vs baseline; acc.len = mean "
+              "acceptance length = 1 + accepted / drafts; accept = accepted / drafted tokens; greedy same = "
+              "outputs identical to baseline / compared.", soft_wrap=False)

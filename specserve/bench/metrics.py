@@ -1,4 +1,4 @@
-"""Benchmark metrics, exactly as DESIGN.md section 5 defines them, over per-request records.
+"""Benchmark metrics, exactly as docs/design.md section 5 defines them, over per-request records.
 
 A record (see `client.RequestRecord`, or any dict with the same keys) holds `chunks`: one
 `[t_ms, tokens]` pair per token-bearing chunk, `t_ms` measured from the moment the request was sent.
@@ -12,7 +12,7 @@ A record (see `client.RequestRecord`, or any dict with the same keys) holds `chu
 - Percentiles P50/P90/P95/P99 over requests (TTFT, TPOT, E2E); ITL percentiles pool every gap of
   every request. Throughput = tokens (or successful requests) / wall time of the run (tokens/s, req/s).
 - Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts;
-  per-position rate_i = accepted at position i / drafts (DESIGN.md section 2).
+  per-position rate_i = accepted at position i / drafts (docs/design.md section 2).
 What it does not do: send requests or scrape servers; it only computes.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Scrape a server's Prometheus /metrics before and after a run, and turn the deltas into numbers.
 
 What it does: parses the Prometheus text format (samples only: `name{labels} value`), takes the
-difference of two scrapes, and reads the speculation counters of DESIGN.md section 5
+difference of two scrapes, and reads the speculation counters of docs/design.md section 5
 (`specserve:spec_decode_*`; vLLM's `vllm:spec_decode_*` are read the same way when ours are absent)
 and `process_resident_memory_bytes`. What it does not do: attribute counters to segments (a scrape
 covers the whole server), or fail a run when /metrics is missing (it returns None instead).

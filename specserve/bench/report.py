@@ -5,7 +5,8 @@ comparisons, server numbers) and plots: latency distributions (TTFT, TPOT, ITL p
 segment, output tokens/s by load, acceptance rate by segment, acceptance by draft position, and
 baseline vs each candidate side by side (TPOT per segment with the speedup printed on the bars).
 A tiny script records JS errors and the number of rendered plots on <body> (`data-js-errors`,
-`data-plots`) so a headless browser test can check them. What it does not do: run anything.
+`data-plots`) so a headless browser test can check them. `save_run` writes a run's files
+(summary.json, requests.jsonl, report.html). What it does not do: run anything.
 """
 from __future__ import annotations
 
@@ -137,6 +138,20 @@ def render(summary: dict, rows: list[dict]) -> str:
 def write(path, summary: dict, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(render(summary, rows))
+
+
+def save_run(out_dir, summary: dict, rows: list[dict], html: bool = True) -> None:
+    """Write a run's files into `out_dir` (created): summary.json, requests.jsonl (one row per request)
+    and, with `html`, report.html."""
+    from pathlib import Path
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    with open(out / "requests.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if html:
+        write(out / "report.html", summary, rows)
 
 
 def load_and_write(summary_path, out_path) -> None:

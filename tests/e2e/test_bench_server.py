@@ -8,15 +8,10 @@ greedy outputs of the speculative profiles match the baseline's. About half a mi
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
+from specserve.bench.server_process import ServerProcess, ServerStartError
 from specserve.cli import main
 from tests.helpers.tiny_model import make_tiny_model
 
@@ -29,46 +24,20 @@ SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accep
              "acceptance_rate", "mean_acceptance_length", "acceptance_per_pos")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench-e2e")
     model = make_tiny_model(d / "tiny", arch="qwen2", max_position_embeddings=4096)
     (d / "profiles.json").write_text(json.dumps(PROFILES))
-    port = _free_port()
-    log = open(d / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--model", str(model), "--profiles",
-                             str(d / "profiles.json"), "--allow-profile-override", "--port", str(port), "--dtype",
-                             "float32", "--device", "cpu", "--max-num-seqs", "4", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"specserve serve exited: {(d / 'server.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("specserve serve did not become healthy in 180 s")
-            time.sleep(0.5)
-        yield url + "/v1"
-    finally:
-        proc.terminate()
+    srv = ServerProcess(["--model", str(model), "--profiles", str(d / "profiles.json"), "--allow-profile-override",
+                         "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "4", "--log-level", "warning"],
+                        d / "server.log")
+    with srv:
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            srv.start(timeout_s=180)
+        except ServerStartError as e:
+            pytest.fail(f"specserve serve did not start: {e}")
+        yield srv.base_url + "/v1"
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.waiting import wait_until
+
 SEGMENTS = ("code", "edit", "chat", "summarize", "tool_call")
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -131,14 +133,13 @@ def test_interrupted_demo_stops_its_server(tiny_model_dir, tmp_path, sig):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         seen = []
-        for line in proc.stderr:  # wait until the server answers /health
+        for line in proc.stderr:  # wait until the server answers /health and the benchmark starts
             seen.append(line)
-            if "server ready at" in line:
+            if "3/4 benchmark" in line:
                 break
         else:
-            pytest.fail("demo ended before its server was ready:\n" + "".join(seen))
+            pytest.fail("demo ended before its benchmark started:\n" + "".join(seen))
         assert _processes_mentioning(str(out / "profiles.json")), "the server child should be running now"
-        time.sleep(0.5)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -148,7 +149,5 @@ def test_interrupted_demo_stops_its_server(tiny_model_dir, tmp_path, sig):
     err = "".join(seen) + err
     assert proc.returncode == 130, err[-2000:]
     assert "server stopped" in err and "interrupted" in err
-    deadline = time.monotonic() + 10
-    while _processes_mentioning(str(out / "profiles.json")) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not _processes_mentioning(str(out / "profiles.json")), timeout_s=10, interval_s=0.2)
     assert not _processes_mentioning(str(out / "profiles.json")), "the server outlived the interrupted demo"

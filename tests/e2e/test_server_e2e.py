@@ -1,13 +1,12 @@
 """A real server (uvicorn on 127.0.0.1, in-process thread) over the real engine and the tiny
 random-weight model, driven by the official `openai` client.
 
-Checks issue 4's "what must hold" plus shared/cases B03, B12 and B15 through the HTTP layer: streamed
-text == non-streamed text, one logprobs entry per token, usage == tokens, n choices, every profile's
-greedy output (and logprobs) == baseline's, a stop string inside an accepted block, /metrics counters
-== the sum of per-response numbers, rollback, bad inputs, and a client disconnect freeing the KV cache.
+Checks issue 4's "what must hold" plus docs/speculation-cases.md B03, B12 and B15 through the HTTP
+layer: streamed text == non-streamed text, one logprobs entry per token, usage == tokens, n choices,
+every profile's greedy output (and logprobs) == baseline's, a stop string inside an accepted block,
+/metrics counters == the sum of per-response numbers, rollback, bad inputs, and a client disconnect
+freeing the KV cache.
 """
-
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
 from specserve.server.launcher import ServerThread
+from tests.helpers.waiting import wait_until
 
 PROFILES = {"profiles": {"baseline": None,
                          "ngram_4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -175,8 +175,6 @@ def test_disconnect_mid_stream_frees_kv(srv):
     with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         next(lines)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not (st.in_flight == 0 and st.stats.get("num_kv_tokens") == 0
-                                               and st.stats.get("num_running") == 0):
-        time.sleep(0.05)
+    wait_until(lambda: st.in_flight == 0 and st.stats.get("num_kv_tokens") == 0 and st.stats.get("num_running") == 0,
+               timeout_s=20)
     assert st.in_flight == 0 and st.stats["num_running"] == 0 and st.stats["num_kv_tokens"] == 0, st.stats

@@ -1,4 +1,4 @@
-"""Helpers for the shared/cases tests (../shared/cases/speculation-cases.md).
+"""Helpers for the tests of docs/speculation-cases.md.
 
 - `assert_greedy_equal`: the greedy equality rule. SPEC ids must equal BASE ids; where they differ, the
   test passes only if BASE's top-2 logit gap at the first differing position is under 1e-4 (a true
@@ -8,7 +8,8 @@
   given the commit blocks of a speculative run, one that sits strictly inside an accepted block), or a
   stop string whose first occurrence is completed by such a token, so a stop inside a block is certain.
 - `run_engine`: drive `LLMEngine.step()` directly, adding requests between steps, and keep every
-  per-step delta (the streaming view) per request.
+  per-step delta (the streaming view) per request; `assert_spec_invariants` checks a finished
+  request's speculation counters against what it streamed (B10).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 TIE_GAP = 1e-4
@@ -77,7 +79,7 @@ def assert_greedy_equal(
     tol: float = TIE_GAP,
     msg: str = "",
 ) -> int | None:
-    """The greedy equality rule (shared/cases conventions).
+    """The greedy equality rule (docs/speculation-cases.md, Conventions).
 
     Passes when spec_ids == base_ids, or when BASE's top-2 logit gap at the first differing position i
     (logits of prompt + base[:i], recomputed alone) is < `tol`. With `params` (penalties, logit_bias,
@@ -289,3 +291,29 @@ def run_engine(engine, subs: list[Submission], max_steps: int = 100_000) -> dict
         assert st.outputs and st.final.finished, f"{rid}: never finished"
         assert sum(o.finished for o in st.outputs) == 1
     return streams
+
+
+def assert_spec_invariants(st: Stream, k: int, where: str = "") -> None:
+    """The counter invariants of docs/speculation-cases.md B10 for one finished request's Stream:
+    emitted tokens == the streamed blocks; accepted + steps >= emitted (every emitted token is an
+    accepted draft or its step's own token; plain decodes and the prefill step count as steps);
+    accepted <= emitted - 1 and <= draft tokens; per-position counts sum to accepted and never grow
+    with the position; mean acceptance length == tokens of drafted steps / drafted steps <= k + 1."""
+    out = st.final
+    s = out.spec_stats
+    emitted = len(out.token_ids)
+    assert emitted == sum(len(b) for b in st.blocks), where  # == usage.completion_tokens
+    assert s.num_accepted_tokens + st.num_steps >= emitted, where
+    assert s.num_accepted_tokens <= emitted - 1, where
+    assert s.num_accepted_tokens <= s.num_draft_tokens, where
+    assert sum(s.num_accepted_tokens_per_pos) == s.num_accepted_tokens, where
+    assert all(a >= b for a, b in zip(s.num_accepted_tokens_per_pos, s.num_accepted_tokens_per_pos[1:])), where
+    assert s.num_drafts > 0, where
+    drafted = st.drafted_blocks
+    assert len(drafted) == s.num_drafts, where
+    decode_tokens = sum(len(b) for b in drafted)
+    assert s.num_decode_tokens == decode_tokens, where
+    assert s.mean_acceptance_length == pytest.approx(decode_tokens / s.num_drafts), (
+        f"{where}: mean acceptance length {s.mean_acceptance_length:.4f} != emitted/steps "
+        f"{decode_tokens}/{s.num_drafts} = {decode_tokens / s.num_drafts:.4f}")
+    assert s.mean_acceptance_length <= k + 1, where

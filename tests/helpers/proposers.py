@@ -1,4 +1,4 @@
-"""Test-only draft sources (shared/cases B25): always-wrong drafts, and right-then-wrong drafts."""
+"""Test-only draft sources (docs/speculation-cases.md B25): always-wrong drafts, and right-then-wrong drafts."""
 
 from specserve.spec_decode.proposer import Proposal
 

@@ -1,4 +1,4 @@
-"""shared/cases B22 (1): speculative sampling preserves the target distribution (no model).
+"""docs/speculation-cases.md B22 (1): speculative sampling preserves the target distribution (no model).
 
 Target p = [0.6, 0.4], draft q = [0.8, 0.2], k = 1..3 fixed rows, 20,000 trials per case, chi-square
 on the first committed token and on every committed position against p, p-value > 0.01.

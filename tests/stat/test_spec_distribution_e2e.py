@@ -1,4 +1,4 @@
-"""shared/cases B22 (2), end to end on tiny random-weight models: speculative sampling through the whole
+"""docs/speculation-cases.md B22 (2), end to end on tiny random-weight models: speculative sampling through the whole
 engine (proposer -> verify -> rejection sampler -> commit) keeps the target's exact distribution.
 
 2000 requests per setting, submitted in one batch (max_num_seqs=64), no per-request seed (the engine's

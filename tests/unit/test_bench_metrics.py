@@ -1,4 +1,4 @@
-"""Benchmark metric functions on hand-made timelines (DESIGN.md section 5 definitions)."""
+"""Benchmark metric functions on hand-made timelines (docs/design.md section 5 definitions)."""
 from __future__ import annotations
 
 import numpy as np

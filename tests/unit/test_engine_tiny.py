@@ -137,12 +137,52 @@ def test_logprobs_match_reference(llm, hf):
         assert [t for t, _ in entry.top] == torch.topk(row, 3).indices.tolist()
 
 
-def test_penalties_change_greedy_output(llm):
-    a = llm.generate(PROMPTS[5], SamplingParams(**GREEDY, frequency_penalty=-2.0))[0].outputs[0].token_ids
-    b = llm.generate(PROMPTS[5], SamplingParams(**GREEDY, frequency_penalty=2.0))[0].outputs[0].token_ids
-    c = llm.generate(PROMPTS[5], SamplingParams(**GREEDY, repetition_penalty=1.5))[0].outputs[0].token_ids
-    base = llm.generate(PROMPTS[5], SamplingParams(**GREEDY))[0].outputs[0].token_ids
-    assert a != b and c != base
+def test_penalties_push_greedy_output_the_right_way(llm):
+    """Penalties change the output in their direction: a positive frequency or presence penalty makes
+    fewer repeated output tokens, a negative one no fewer; a repetition penalty > 1 makes fewer tokens
+    that were already in the prompt or the output."""
+    prompt_ids = llm.engine.encode_prompt(PROMPTS[5])
+
+    def gen(**kw):
+        return llm.generate(PROMPTS[5], SamplingParams(**GREEDY, **kw))[0].outputs[0].token_ids
+
+    def repeats(ids):  # output tokens that already occurred in the output
+        return len(ids) - len(set(ids))
+
+    def seen_before(ids):  # output tokens that already occurred in the prompt or the output
+        return sum(t in prompt_ids or t in ids[:i] for i, t in enumerate(ids))
+
+    base = gen()
+    assert repeats(gen(frequency_penalty=2.0)) < repeats(base) <= repeats(gen(frequency_penalty=-2.0))
+    assert repeats(gen(presence_penalty=1.5)) < repeats(base) <= repeats(gen(presence_penalty=-1.5))
+    assert seen_before(gen(repetition_penalty=1.5)) < seen_before(base)
+
+
+def test_penalties_lower_the_logprob_of_seen_tokens():
+    """The processors themselves, on random logits: frequency f and presence p subtract f * count + p
+    from each output token seen (count times) and nothing else; repetition r > 1 moves every token of
+    the prompt or the output towards lower logits; so each penalized token's logprob goes down."""
+    from specserve.sample.sampler import process_logits
+
+    torch.manual_seed(0)
+    raw = torch.randn(1, 50) * 3
+    prompt, output = [1, 2, 3], [4, 4, 4, 5]
+    seen_out, seen_any = [4, 5], [1, 2, 3, 4, 5]
+    unseen = [t for t in range(50) if t not in seen_any]
+
+    def processed(**kw):
+        return process_logits(raw, SamplingParams(**GREEDY, **kw), prompt, output, [], [])[0]
+
+    diff = processed(frequency_penalty=0.5, presence_penalty=0.25) - raw[0]
+    assert diff[4].item() == pytest.approx(-0.5 * 3 - 0.25) and diff[5].item() == pytest.approx(-0.5 - 0.25)
+    assert torch.all(diff[[t for t in range(50) if t not in seen_out]] == 0)
+    assert torch.all(processed(frequency_penalty=-0.5)[seen_out] > raw[0, seen_out])  # negative: favoured
+    rep = processed(repetition_penalty=1.5)
+    assert torch.all(rep[seen_any] < raw[0, seen_any]) and torch.equal(rep[unseen], raw[0, unseen])
+    for kw in (dict(frequency_penalty=0.5), dict(presence_penalty=0.5), dict(repetition_penalty=1.5)):
+        lp, lp_raw = torch.log_softmax(processed(**kw), -1), torch.log_softmax(raw[0], -1)
+        pen = seen_out if "repetition_penalty" not in kw else seen_any
+        assert torch.all(lp[pen] < lp_raw[pen]), kw
 
 
 def test_errors_and_abort(llm):

@@ -78,7 +78,7 @@ def test_prompt_shorter_than_n(n_min, n_max, toks):
 
 
 def test_stateless_no_cross_request_leakage():
-    """B28: request B's drafts come from B's tokens only, whatever ran before."""
+    """docs/speculation-cases.md B28: request B's drafts come from B's tokens only, whatever ran before."""
     a = [100, 101, 102, 103, 104, 100, 101, 102] * 10
     b = [7, 8, 9, 100, 7, 8]
     p = NgramProposer(1, 4)

@@ -1,4 +1,4 @@
-"""Scheduler budget, draft caps (cases B07/B08) and chunked prefill, without a model."""
+"""Scheduler budget, draft caps (docs/speculation-cases.md B07/B08) and chunked prefill, without a model."""
 
 import random
 

@@ -1,13 +1,13 @@
 """Speculative decoding on tiny random-weight models: greedy equivalence for every method and k, alone
 and in mixed batches; stats invariants; stop/length handling inside accepted blocks; rollback.
-(shared/cases B01, B02, B06, B07, B08, B10, B25, B26 at small scale; the real-model versions live in
+(docs/speculation-cases.md B01, B02, B06, B07, B08, B10, B25, B26 at small scale; the real-model versions live in
 tests/e2e.)"""
 
 import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from tests.helpers.cases import Submission, run_engine
+from tests.helpers.cases import Submission, assert_spec_invariants, pick_forced_token, run_engine
 from tests.helpers.proposers import WrongProposer
 
 REPEAT = "1: I will not skip any words.\n2: I will not skip any words.\n3:"
@@ -120,28 +120,30 @@ def test_context_end_inside_block(tiny_model_dir, base):
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_stop_inside_accepted_block_and_stats(llm, base, tiny_model_dir, k):
     """B02/B06/B10: a stop id inside an accepted block ends the request there; nothing after it is
-    returned or counted; the acceptance counters obey the invariants."""
+    returned or counted; the acceptance counters obey the invariants. The stops come from the forcing
+    trick: tokens BASE first produced strictly inside a block that the target drafting for itself had
+    accepted, one in each of three ranges; a range without one fails the test (LookupError), so the
+    case cannot pass without a stop inside a block."""
     cfg = SpeculativeConfig("draft_model", k, model=str(tiny_model_dir))
-    ref = base[PROMPTS[0]].token_ids
-    for p in (3, 7, 12):
-        t = ref[p]
-        first = ref.index(t)
-        for max_tokens in (first + 1, first + 3, 32):
-            out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                          stop_token_ids=[t]), speculative_config=cfg)[0].outputs[0]
-            assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
-            emitted = len(out.token_ids)
-            assert out.num_accepted_tokens <= out.num_draft_tokens
-            assert out.num_accepted_tokens <= emitted - 1
-            assert out.num_accepted_tokens + out.num_drafts >= emitted - 1  # first token comes from prefill
-            if out.num_drafts:
-                assert 1 + out.num_accepted_tokens / out.num_drafts <= k + 1
+    prompt = PROMPTS[2]  # its BASE output has tokens first produced at many positions
+    ref = base[prompt].token_ids
+    blocks = run_engine(llm.engine, [Submission(f"blocks-{k}", prompt, SamplingParams(**GREEDY), cfg)])[f"blocks-{k}"].blocks
+    assert [i for b in blocks for i in b] == ref
+    picks = [pick_forced_token(ref, lo, hi, blocks=blocks) for lo, hi in ((1, 10), (9, 20), (16, 32))]
+    for p, t in picks:
+        for max_tokens in (p + 1, p + 3, 32):
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[t])
+            st = run_engine(llm.engine, [Submission("stop", prompt, params, cfg)])["stop"]
+            where = f"k={k} stop at {p}, max_tokens {max_tokens}"
+            assert st.final.token_ids == ref[: p + 1] and st.final.finish_reason == "stop", where
+            assert [i for b in st.blocks for i in b] == ref[: p + 1], where  # nothing after the stop in any chunk
+            assert st.final.spec_stats.num_accepted_tokens > 0, where
+            assert_spec_invariants(st, k, where)
     # control: a stop after the cap gives 'length' with exactly max_tokens tokens (B06)
-    t = ref[7]
-    if ref.index(t) == 7:
-        out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop_token_ids=[t]),
-                           speculative_config=cfg)[0].outputs[0]
-        assert out.finish_reason == "length" and out.token_ids == ref[:5]
+    _, t = pick_forced_token(ref, 5, 32)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop_token_ids=[t]),
+                       speculative_config=cfg)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == ref[:5]
 
 
 def test_seeded_sampling_reproducible_under_spec(llm, tiny_model_dir, other_tiny_dir):

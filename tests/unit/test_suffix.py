@@ -179,7 +179,7 @@ def test_no_match_and_tiny_prompts():
 
 
 def test_requests_do_not_see_each_others_trees_b28():
-    """B28: A's own tree is never used for B; A's OUTPUT reaches B only via the global tree after A finished."""
+    """docs/speculation-cases.md B28: A's own tree is never used for B; A's OUTPUT reaches B only via the global tree after A finished."""
     p = SuffixProposer(cfg())
     a_prompt = [50, 51, 52, 53, 54, 55]
     a_out = [60, 61, 62, 63, 64, 65]
