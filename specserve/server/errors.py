@@ -2,7 +2,7 @@
 
 What it does: every error the server returns has the body
 `{"error": {"message", "type", "param", "code"}}` and the right status code, including FastAPI's own
-404/405 and anything unexpected (500, logged with its traceback). `BodySizeLimitMiddleware` answers 413
+404/405 and anything unexpected (500, logged with its traceback; the body names nothing internal). `BodySizeLimitMiddleware` answers 413
 for a body over the limit, whether or not the client sent Content-Length.
 What it does not do: decide which request values are invalid (see `protocol.py`).
 """
@@ -98,9 +98,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, validation_message(exc.errors()), param=validation_param(exc.errors()))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_req: Request, exc: Exception):
-        logger.exception("unhandled error: %s", exc)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _unexpected(req: Request, exc: Exception):
+        logger.error("unhandled error on %s %s", req.method, req.url.path, exc_info=exc)
+        return error_response(500, "internal server error; the server log has the details", code="internal_error")
 
 
 def validation_message(errors: list[dict]) -> str:
