@@ -55,6 +55,13 @@ class APIError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
 
+def internal_error(rid: str) -> APIError:
+    """The 500 for a failure inside the engine: not the client's fault, and nothing internal in the body
+    (whoever caught the exception logs its traceback)."""
+    return APIError(500, f"internal error while generating {rid}; the server log has the details",
+                    code="internal_error")
+
+
 class BodyTooLarge(Exception):
     """Raised by the size-limited `receive` when a chunked body passes the limit."""
 

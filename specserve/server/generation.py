@@ -6,7 +6,8 @@ step delta (new text, new token ids, new logprobs, a frozen counter snapshot): `
 it comes (chat sends a role chunk first; a delta with nothing new is skipped; the chunk with
 finish_reason and the usage chunk carry the `specserve` block), and both modes sum each choice's
 deltas (`OutputAccumulator`) for usage, the counters and the non-streaming body (`collect()`).
-`Aborted` ends a choice; `Failed` (the engine died) ends the request with 503. A client that
+`Aborted` ends a choice; `Failed` (the engine died) ends the request with 503, and a choice the
+engine finished with "error" (it failed on this request alone) with 500. A client that
 disconnects (or a cancelled handler) gets its engine requests aborted, which frees their KV at once,
 and is logged as "cancelled" (code 499).
 What it does not do: parse requests or choose the profile (see `serving.py`), or decide what text is
@@ -18,13 +19,16 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.outputs import OutputAccumulator, RequestOutput, SpecStats
 from specserve.rollout.profiles import Profile
 from specserve.server import formatting as fmt
 from specserve.server.engine_client import Aborted, EngineRequest, Failed, QueueItem
-from specserve.server.errors import APIError, error_body
+from specserve.server.errors import APIError, error_body, internal_error
+
+if TYPE_CHECKING:
+    from specserve.server.serving import ServerState
 
 
 @dataclass
@@ -53,7 +57,7 @@ class Generation:
         prompt_for_log: what the request log records as "prompt" (with --log-prompts), else None.
     """
 
-    def __init__(self, state: Any, rid: str, chat: bool, record: dict, profile: Profile, submitted: EngineRequest,
+    def __init__(self, state: ServerState, rid: str, chat: bool, record: dict, profile: Profile, submitted: EngineRequest,
                  *, t0: float, want_logprobs: bool, include_usage: bool, prompt_for_log: Any = None):
         self.state, self.rid, self.chat, self.record, self.profile = state, rid, chat, record, profile
         self.prompt_ids, self.queue, self.child_ids = submitted.prompt_token_ids, submitted.queue, submitted.child_ids
@@ -71,7 +75,8 @@ class Generation:
         """Absorb one queue item into its choice; returns the output delta it carried, if any.
 
         Raises:
-            APIError: 503 when the engine failed.
+            APIError: 503 when the engine died; 500 when it failed this request alone (finish_reason
+                "error"; the engine logged the traceback).
         """
         if isinstance(item, Failed):
             raise APIError(503, f"generation failed: {item.error}", code="engine_error")
@@ -90,6 +95,8 @@ class Generation:
                 self.state.metrics.observe_tokens(self.profile.name, now - self.last_token_t, n_new)
             self.last_token_t = now
         c.acc.add(out)
+        if out.finish_reason == "error":
+            raise internal_error(self.rid)
         return out
 
     def total_spec(self) -> SpecStats:

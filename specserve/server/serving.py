@@ -9,7 +9,8 @@ typed prompt to the `EngineClient` as n engine requests (`{id}-{i}`; with a seed
 s + i, so choices differ but the whole response is reproducible). Errors map to a status by their
 type alone: an `InvalidRequestError` (bad value, prompt empty / longer than the context, bad token
 ids, a chat the template refuses) is 400 with its `param` and `code`; `EngineDeadError` 503; anything
-else the engine raises is 500, logged with its traceback, and the body says nothing internal. Every
+else the engine raises is 500, logged with its traceback, and the body says nothing internal (so is a
+choice the engine finishes with "error", see `generation.py`). Every
 outcome, errors included, gets one request log line and one `specserve:requests_total` increment. The
 response carries `x-specserve-profile`.
 What it does not do: format chunks (`formatting.py`) or drive the stream (`generation.py`).
@@ -35,7 +36,7 @@ from specserve.rollout.policy import ProfileForbidden, RolloutPolicy, UnknownPro
 from specserve.rollout.request_log import RequestLog
 from specserve.server import protocol
 from specserve.server.engine_client import EngineClient, EngineDeadError
-from specserve.server.errors import APIError, validation_message, validation_param
+from specserve.server.errors import APIError, internal_error, validation_message, validation_param
 from specserve.server.formatting import TokenText
 from specserve.server.generation import Generation
 
@@ -84,8 +85,7 @@ def _error_from_engine(rid: str, e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
     logger.error("%s: the engine failed while adding the request", rid, exc_info=e)
-    return APIError(500, f"internal error while adding request {rid}; the server log has the details",
-                    code="internal_error")
+    return internal_error(rid)
 
 
 def _prompt_for_log(prompt: Prompt) -> Any:

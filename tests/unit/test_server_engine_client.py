@@ -1,8 +1,8 @@
 """The server's one seam to the engine: `EngineClient`. The client the tests serve (AsyncEngine over the
 model-free target) implements it exactly; the toy model keeps `CausalLM`'s forward signature; the
 HTTP modules import nothing from the engine side but the Protocol; and errors get their status by
-type: a request the engine refuses is a 400 naming its param, an engine bug is a 500 with a logged
-traceback and nothing internal in the body."""
+type: a request the engine refuses is a 400 naming its param, an engine bug (while adding the request,
+or while generating it alone) is a 500 with a logged traceback and nothing internal in the body."""
 
 import ast
 import inspect
@@ -95,3 +95,29 @@ def test_a_refused_request_is_a_400_naming_its_param(server, path, body, param, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_engine_fails_alone_is_a_500_and_the_others_go_on(server, monkeypatch, caplog, stream):
+    from specserve.engine import llm_engine
+
+    real = llm_engine.sample_request
+
+    def failing(logits, params, prompt_ids, *args):
+        if bytes(prompt_ids[:4]) == b"fail":
+            raise RuntimeError("secret sampler detail")
+        return real(logits, params, prompt_ids, *args)
+
+    monkeypatch.setattr(llm_engine, "sample_request", failing)
+    body = {"prompt": "fail here", "max_tokens": 4, "stream": stream}
+    with caplog.at_level(logging.ERROR):
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=10)
+    assert "secret" not in r.text
+    if stream:  # the 200 was sent before the failure: the stream ends with an error event
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"code":"internal_error"' in events[-2]
+    else:
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert any(rec.exc_info and "secret sampler detail" in str(rec.exc_info[1]) for rec in caplog.records)
+    r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
