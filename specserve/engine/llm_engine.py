@@ -72,7 +72,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, target: LoadedModel | None = None):
         self.config = config
-        self.target = target or LoadedModel(
+        self.target = target if target is not None else LoadedModel(
             config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs
         )
         self.tokenizer = self.target.tokenizer

@@ -16,7 +16,6 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import ModelRunner
 from specserve.hub import ModelFiles, resolve_model
 from specserve.model.config import ModelConfig
-from specserve.model.llama import CausalLM
 from specserve.model.loader import DTYPES, load_model
 
 
@@ -61,15 +60,15 @@ class LoadedModel:
         self._assemble(files, cfg, model, AutoTokenizer.from_pretrained(str(files.path)), dt, dev, max_len, num_slots)
 
     @classmethod
-    def from_parts(cls, files: ModelFiles, config: ModelConfig, model: CausalLM, tokenizer: Any, *,
+    def from_parts(cls, files: ModelFiles, config: ModelConfig, model: torch.nn.Module, tokenizer: Any, *,
                    dtype: torch.dtype, device: torch.device, max_model_len: int, num_slots: int) -> "LoadedModel":
-        """A LoadedModel around a model already in memory, with its own KV cache and runner (the tests'
-        model-free stand-in uses it: tests/helpers/fake_engine.py)."""
+        """A LoadedModel around a model already in memory (any module with `CausalLM.forward`'s signature),
+        with its own KV cache and runner; the tests' model-free stand-in uses it (tests/helpers/fake_engine.py)."""
         self = cls.__new__(cls)
         self._assemble(files, config, model, tokenizer, dtype, device, max_model_len, num_slots)
         return self
 
-    def _assemble(self, files: ModelFiles, cfg: ModelConfig, model: CausalLM, tokenizer: Any, dtype: torch.dtype,
+    def _assemble(self, files: ModelFiles, cfg: ModelConfig, model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype,
                   device: torch.device, max_model_len: int, num_slots: int) -> None:
         self.files, self.config, self.model, self.tokenizer = files, cfg, model, tokenizer
         self.dtype, self.device, self.max_model_len = dtype, device, max_model_len

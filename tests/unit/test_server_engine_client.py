@@ -39,7 +39,7 @@ def test_fake_client_implements_engine_client_exactly():
             continue
         assert inspect.iscoroutinefunction(proto) == inspect.iscoroutinefunction(impl), name
         assert inspect.signature(impl, eval_str=True) == inspect.signature(proto, eval_str=True), name
-    for name, kind in inspect.get_annotations(EngineClient, eval_str=True).items():
+    for name in inspect.get_annotations(EngineClient, eval_str=True):
         assert hasattr(client, name), name
     assert (client.model_name, client.model_checksum, client.max_num_seqs) == ("fake-model", "fake-checksum", 8)
 
