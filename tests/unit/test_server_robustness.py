@@ -3,7 +3,6 @@ a full queue answers 503 + Retry-After, oversized bodies 413, and the server kee
 
 import json
 import socket
-import time
 
 import httpx
 import openai
@@ -12,15 +11,7 @@ import pytest
 from specserve.server.api import ServerSettings, create_app
 from specserve.server.launcher import ServerThread
 from tests.helpers.fake_engine import ToyLM, fake_client, toy_logits
-
-
-def _wait(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture()
@@ -53,7 +44,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(slow, chat):
             assert any(x.startswith("data: ") for x in got)
             assert state.engine.stats().get("num_kv_tokens", 0) > 0
     # the response context closed the connection mid-stream
-    assert _wait(lambda: _idle(state)), state.engine.stats()
+    assert wait_until(lambda: _idle(state)), state.engine.stats()
     recs = [json.loads(x) for x in log.read_text().splitlines()]
     assert recs[-1]["status"] == "cancelled" and recs[-1]["http_status"] == 499
     assert 0 < recs[-1]["completion_tokens"] < 400
@@ -66,7 +57,7 @@ def test_disconnect_non_streaming_aborts(slow):
     srv, state, log = slow
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400}, timeout=0.3)
-    assert _wait(lambda: _idle(state)), state.engine.stats()
+    assert wait_until(lambda: _idle(state)), state.engine.stats()
     assert json.loads(log.read_text().splitlines()[-1])["status"] == "cancelled"
 
 
@@ -83,7 +74,7 @@ def test_queue_full_503_retry_after_then_recovers(slow):
                 assert r.status_code == 200
                 if i < 2:
                     next(lines)
-            assert _wait(lambda: state.engine.in_flight == 3)
+            assert wait_until(lambda: state.engine.in_flight == 3)
             r = c.post("/v1/completions", json={"prompt": "overflow", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
@@ -92,7 +83,7 @@ def test_queue_full_503_retry_after_then_recovers(slow):
         finally:
             for s, _ in streams:
                 s.__exit__(None, None, None)
-        assert _wait(lambda: _idle(state))
+        assert wait_until(lambda: _idle(state))
         assert c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
@@ -116,7 +107,7 @@ def test_raw_socket_hangup_before_body(slow):
     s = socket.create_connection(("127.0.0.1", srv.port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
     s.close()
-    assert _wait(lambda: not srv.server.server_state.connections), "the server should drop the half request"
+    assert wait_until(lambda: not srv.server.server_state.connections), "the server should drop the half request"
     assert httpx.get(srv.base_url + "/health").status_code == 200
     assert _idle(state)
 

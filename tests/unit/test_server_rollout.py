@@ -4,7 +4,6 @@
 import json
 import math
 import threading
-import time
 
 import httpx
 import openai
@@ -15,6 +14,7 @@ from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
 from specserve.server.launcher import ServerThread
 from tests.helpers.fake_engine import ToyLM, fake_client
+from tests.helpers.waiting import wait_until
 
 PROFILES = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4},
                          "draftish": {"method": "suffix", "num_speculative_tokens": 2}},
@@ -69,8 +69,7 @@ def test_admin_auth_weights_rollback(tmp_path):
         lm.step_delay_s = 0.01
         t = threading.Thread(target=long_request)
         t.start()
-        while srv.server.config.app.state.specserve.engine.in_flight == 0:
-            time.sleep(0.005)
+        assert wait_until(lambda: srv.server.config.app.state.specserve.engine.in_flight > 0)
         assert httpx.post(u + "/admin/rollback", headers=AUTH).json()["rolled_back"]
         assert _profile(c) == "baseline"  # the very next request
         t.join(30)
