@@ -95,6 +95,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from specserve.config import EngineConfig, SpeculativeConfig
     from specserve.engine.llm_engine import LLMEngine
+    from specserve.inputs import ChatPrompt, TextPrompt
     from specserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -105,21 +106,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
-        prompt = engine.encode_chat(msgs)
+        prompt = engine.encode(ChatPrompt(tuple(msgs)))
     else:
-        prompt = engine.encode_prompt(args.prompt)
+        prompt = engine.encode(TextPrompt(args.prompt))
     engine.add_request("cli", prompt, params)
     start = time.perf_counter()
     first = last = None
+    n = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.new_token_ids and first is None:
                 first = time.perf_counter()
+            n += len(out.new_token_ids)
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
             last = out
     end = time.perf_counter()
-    n = len(last.token_ids)
     decode_s = end - (first or end)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     line = (f"\n[{engine.model_name} on {engine.device}: {len(prompt)} prompt tokens, {n} output tokens, "

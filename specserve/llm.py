@@ -5,8 +5,8 @@
     out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=64))
     print(out[0].outputs[0].text)
 
-What it does: builds an `LLMEngine`, feeds it all prompts at once (continuous batching does the rest)
-and collects finished outputs in prompt order. What it does not do: serve over HTTP (`specserve.server`).
+What it does: builds an `LLMEngine`, feeds it all prompts at once (continuous batching does the rest),
+sums each request's step deltas (`OutputAccumulator`) and returns the results in prompt order. What it does not do: serve over HTTP (`specserve.server`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,8 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.llm_engine import USE_ENGINE_DEFAULT, LLMEngine
-from specserve.outputs import CompletionOutput, GenerationOutput, RequestOutput
+from specserve.outputs import GenerationOutput, OutputAccumulator
 from specserve.sampling_params import SamplingParams
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Parameters of completion `index` of an n > 1 request: n = 1, and seed s becomes s + index so the
-    n completions differ but stay reproducible."""
-    seed = params.seed + index if params.seed is not None else None
-    return params.clone(n=1, seed=seed)
 
 
 class LLM:
@@ -97,7 +90,7 @@ class LLM:
                 groups.append((rid, prompt, children))
                 for i in range(params.n):
                     cid = f"{rid}-{i}" if params.n > 1 else rid
-                    eng.add_request(cid, prompt, child_params(params, i), speculative_config=spec_config)
+                    eng.add_request(cid, prompt, params.for_choice(i), speculative_config=spec_config)
                     children.append(cid)
         except Exception:  # a bad prompt: the ones already queued must not linger in the engine
             for _, _, children in groups:
@@ -105,26 +98,20 @@ class LLM:
                     eng.abort_request(cid)
             eng.step()  # report (and drop) the aborts
             raise
-        done: dict[str, RequestOutput] = {}
-        total = sum(len(c) for _, _, c in groups)
-        bar = tqdm(total=total, desc="generate", disable=not use_tqdm)
+        accs = {cid: OutputAccumulator() for _, _, children in groups for cid in children}
+        bar = tqdm(total=len(accs), desc="generate", disable=not use_tqdm)
         while eng.has_unfinished_requests():
             for out in eng.step():
+                acc = accs.get(out.request_id)
+                if acc is None:  # another caller's request on the same engine
+                    continue
+                acc.add(out)
                 if out.finished:
-                    done[out.request_id] = out
                     bar.update(1)
         bar.close()
         results = []
         for rid, prompt, children in groups:
-            first = done[children[0]]
-            comps = []
-            for i, cid in enumerate(children):
-                o = done[cid]
-                comps.append(CompletionOutput(
-                    index=i, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason, logprobs=o.logprobs, num_drafts=o.spec_stats.num_drafts,
-                    num_draft_tokens=o.spec_stats.num_draft_tokens, num_accepted_tokens=o.spec_stats.num_accepted_tokens,
-                    num_accepted_tokens_per_pos=list(o.spec_stats.num_accepted_tokens_per_pos), metrics=dict(o.metrics),
-                ))
-            results.append(GenerationOutput(rid, prompt if isinstance(prompt, str) else None, first.prompt_token_ids, comps))
+            comps = [accs[cid].completion(i) for i, cid in enumerate(children)]
+            results.append(GenerationOutput(rid, prompt if isinstance(prompt, str) else None,
+                                            accs[children[0]].prompt_token_ids, comps))
         return results

@@ -10,15 +10,87 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.inputs import InvalidRequestError
 
 
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
+_NO_VALUE: Any = object()
 
 
-class SamplingParamsError(ValueError):
-    """Raised for an invalid sampling parameter; the message names the parameter and the valid range."""
+class SamplingParamsError(InvalidRequestError):
+    """An invalid sampling parameter. `param` names it; the message says what is valid.
+
+    Args:
+        param: the parameter ("top_p").
+        requirement: what it must be ("must be a number in (0, 1]").
+        value: the value given (left out of the message when not passed).
+    """
+
+    def __init__(self, param: str, requirement: str, value: Any = _NO_VALUE):
+        got = "" if value is _NO_VALUE else f", got {value!r}"
+        super().__init__(f"{param} {requirement}{got}", param=param)
+        self.requirement = requirement
+        self.value = value
+
+    def renamed(self, param: str) -> "SamplingParamsError":
+        """The same error under the name of the request field that set this parameter (the server's
+        `max_completion_tokens` sets `max_tokens`)."""
+        return SamplingParamsError(param, self.requirement, self.value)
+
+
+@dataclass(frozen=True)
+class _Range:
+    """One row of the range table: `name` must be an integer (`integer`) or a finite number within
+    `low`..`high` (None: unbounded; `low_open`: low itself is excluded); `optional`: None is allowed."""
+
+    name: str
+    integer: bool
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    optional: bool = False
+    note: str = ""
+
+    def requirement(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        elif self.low is not None:
+            bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            bounds = ""
+        return f"must be {kind}{bounds}{self.note}"
+
+    def check(self, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            raise SamplingParamsError(self.name, self.requirement(), value)
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        if not math.isfinite(value) or too_low or (self.high is not None and value > self.high):
+            raise SamplingParamsError(self.name, self.requirement(), value)
+
+
+# The one place where value ranges are checked (the server's protocol builds SamplingParams, so its
+# 400s come from here too).
+_RANGES = (
+    _Range("n", integer=True, low=1),
+    _Range("temperature", integer=False, low=0),
+    _Range("top_p", integer=False, low=0, high=1, low_open=True),
+    _Range("top_k", integer=True, low=-1, note=" (-1 or 0 disables it)"),
+    _Range("min_p", integer=False, low=0, high=1),
+    _Range("presence_penalty", integer=False, low=-2, high=2),
+    _Range("frequency_penalty", integer=False, low=-2, high=2),
+    _Range("repetition_penalty", integer=False, low=0.01, high=100),
+    _Range("max_tokens", integer=True, low=1, optional=True),
+    _Range("min_tokens", integer=True, low=0),
+    _Range("logprobs", integer=True, low=0, high=20, optional=True),
+    _Range("seed", integer=True, optional=True),
+)
 
 
 @dataclass
@@ -33,8 +105,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
         seed: per-request seed. The same seed gives the same tokens whether the request runs alone or in
-            any batch (each request owns its random stream). With speculation on, a seed is reproducible
-            for a given speculation profile, but need not give the same tokens as without speculation.
+            any batch (each request owns its random stream). With ngram or suffix speculation (one-hot
+            drafts) it also gives the same tokens as without speculation (README, "Guarantees"); only
+            with a draft model that samples its drafts is a seed reproducible per speculation profile
+            rather than across profiles.
         presence_penalty, frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
         repetition_penalty: CTRL-style, in [0.01, 100] (1 disables), over prompt and generated tokens.
         logit_bias: token id -> bias added to the logit (OpenAI semantics, [-100, 100]).
@@ -48,7 +122,7 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the returned text.
 
     Raises:
-        SamplingParamsError: from `__post_init__` for any out-of-range value.
+        SamplingParamsError: from `__post_init__` for any out-of-range value (`param` names it).
     """
 
     n: int = 1
@@ -72,67 +146,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or [])]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise SamplingParamsError(msg)
-
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                bad(f"{name} must be a finite number, got {v!r}")
+        for row in _RANGES:
+            row.check(getattr(self, row.name))
         if 0 < self.temperature < _GREEDY_EPS:
-            # vLLM's rule: a temperature this small is greedy (dividing logits by it overflows)
-            self.temperature = 0.0
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature is None or self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is None or self.top_k < -1:
-            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not (-2.0 <= self.presence_penalty <= 2.0):
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if not (-2.0 <= self.frequency_penalty <= 2.0):
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not 0.01 <= self.repetition_penalty <= 100.0:
-            bad(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            self.temperature = 0.0  # vLLM's rule: a temperature this small is greedy (dividing by it overflows)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+            raise SamplingParamsError("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self._check_stops()
+        self.logit_bias = _clean_logit_bias(self.logit_bias)
+
+    def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
-            bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise SamplingParamsError("stop", f"must hold at most {MAX_STOP_STRINGS} strings", len(self.stop))
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
-                bad(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters, got {s[:40]!r}")
+                raise SamplingParamsError("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} "
+                                          "characters", s[:40] if isinstance(s, str) else s)
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                bad(f"stop_token_ids must be non-negative integers, got {t!r}")
-        if self.logit_bias:
-            clean: dict[int, float] = {}
-            for tok, bias in self.logit_bias.items():
-                try:
-                    tok_i = int(tok)
-                except (TypeError, ValueError):
-                    bad(f"logit_bias keys must be token ids, got {tok!r}")
-                if not -100.0 <= float(bias) <= 100.0:
-                    bad(f"logit_bias values must be in [-100, 100], got {bias!r}")
-                clean[tok_i] = float(bias)
-            self.logit_bias = clean
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise SamplingParamsError("stop_token_ids", "must be non-negative integers", t)
 
     @property
     def greedy(self) -> bool:
@@ -149,3 +183,24 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """Parameters of completion `index` of an n > 1 request: n = 1, and seed s becomes s + index so
+        the n completions differ but stay reproducible (offline and over HTTP alike)."""
+        return self.clone(n=1, seed=None if self.seed is None else self.seed + index)
+
+
+def _clean_logit_bias(logit_bias: dict | None) -> dict[int, float] | None:
+    """Keys as int token ids, values as floats in [-100, 100]. Raises SamplingParamsError."""
+    if not logit_bias:
+        return logit_bias
+    clean: dict[int, float] = {}
+    for tok, bias in logit_bias.items():
+        try:
+            tok_i, bias_f = int(tok), float(bias)
+        except (TypeError, ValueError):
+            raise SamplingParamsError("logit_bias", "must map token ids to numbers", {tok: bias}) from None
+        if not -100.0 <= bias_f <= 100.0:
+            raise SamplingParamsError("logit_bias", "values must be in [-100, 100]", bias)
+        clean[tok_i] = bias_f
+    return clean

@@ -11,16 +11,19 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.engine.stop import commit_tokens, visible_text_len
+from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, as_prompt
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.request import Request, RequestStatus
 from specserve.sample.sampler import needs_processing, sample_request
@@ -42,8 +45,10 @@ USE_ENGINE_DEFAULT: Any = _UseEngineDefault()
 """Pass as `speculative_config` to use the engine's default speculative config (None means "no speculation")."""
 
 
-class RequestError(ValueError):
-    """A request the engine cannot take (empty or too long prompt, duplicate id, bad token ids)."""
+class RequestError(InvalidRequestError):
+    """A request the engine cannot take (empty or too long prompt, duplicate id, bad token ids, a chat
+    the template refuses). `param` names the request field ("prompt" or "messages"); `code` is
+    "context_length_exceeded" for a prompt that leaves no room for an output token."""
 
 
 class LLMEngine:
@@ -52,6 +57,8 @@ class LLMEngine:
     Args:
         config: EngineConfig (model, dtype, device, max_model_len, max_num_seqs, token budget, default
             speculative config, seed).
+        target: the target already loaded, with `config.max_num_seqs` KV slots (tests pass a model-free
+            one, tests/helpers/fake_engine.py); default: load `config.model`.
 
     Attributes:
         spec_stats: speculation counters summed over every request this engine ran (running and
@@ -63,9 +70,11 @@ class LLMEngine:
         ConfigError: invalid speculative config (e.g. a draft model with another vocabulary).
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, target: LoadedModel | None = None):
         self.config = config
-        self.target = LoadedModel(config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs)
+        self.target = target if target is not None else LoadedModel(
+            config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs
+        )
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.files.name
         self.model_checksum = self.target.files.checksum
@@ -94,6 +103,34 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
+    def encode(self, prompt: str | Sequence[int] | Prompt) -> list[int]:
+        """The checked token ids of a prompt: text through `encode_prompt`, chat messages through
+        `encode_chat`, token ids as given.
+
+        Raises:
+            RequestError: an empty prompt, token ids outside the vocabulary, a prompt that leaves no room
+                for one output token within max_model_len (code "context_length_exceeded"), or a chat the
+                template cannot render; `param` is "messages" for a ChatPrompt, else "prompt".
+        """
+        p = as_prompt(prompt)
+        if isinstance(p, TextPrompt):
+            ids, param = self.encode_prompt(p.text), "prompt"
+        elif isinstance(p, ChatPrompt):
+            ids, param = self.encode_chat(list(p.messages), list(p.tools) if p.tools is not None else None), "messages"
+        else:
+            ids, param = list(p.token_ids), "prompt"
+        if not ids:
+            raise RequestError("the prompt is empty", param=param)
+        vocab = self.target.config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param=param)
+        if len(ids) + 1 > self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "(prompt + at least 1 output token)", param=param, code="context_length_exceeded",
+            )
+        return ids
+
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a raw completion prompt (the tokenizer adds BOS where the model expects one)."""
         return self.tokenizer.encode(text)
@@ -102,11 +139,16 @@ class LLMEngine:
         """Apply the model's chat template with a generation prompt, then tokenize.
 
         Raises:
-            RequestError: the tokenizer has no chat template.
+            RequestError: the tokenizer has no chat template, or the template refuses the messages
+                (param "messages").
         """
         if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError(f"model {self.model_name} has no chat template; use a completion prompt")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            raise RequestError(f"model {self.model_name} has no chat template; use a completion prompt",
+                               param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
+            raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> Proposer:
@@ -171,7 +213,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | Sequence[int] | Prompt,
         params: SamplingParams,
         *,
         speculative_config: SpeculativeConfig | None = USE_ENGINE_DEFAULT,
@@ -180,27 +222,16 @@ class LLMEngine:
         """Queue a request.
 
         Args:
-            prompt: text (tokenized with `encode_prompt`) or token ids.
+            prompt: text (tokenized with `encode_prompt`), token ids, or a typed prompt (see `encode`).
             speculative_config: omit (or USE_ENGINE_DEFAULT) for the engine default; None turns speculation off
                 for this request.
 
         Raises:
-            RequestError: duplicate id, empty prompt, token ids outside the vocabulary, or a prompt that
-                leaves no room for one output token within max_model_len.
+            RequestError: a duplicate id, or a prompt `encode` refuses.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.target.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) + 1 > self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
-                "(prompt + at least 1 output token)"
-            )
+        ids = self.encode(prompt)
         spec_config = self.config.speculative_config if speculative_config is USE_ENGINE_DEFAULT else speculative_config
         if spec_config is not None:
             self.prepare_speculative_config(spec_config)
@@ -337,9 +368,10 @@ class LLMEngine:
         return self._make_output(r)
 
     def _count_spec(self, r: Request, num_draft: int, accepted: int, committed: int) -> None:
-        step = SpecStats(1, num_draft, accepted, [1] * accepted + [0] * (num_draft - accepted), committed)
-        r.spec_stats.add(step)
-        self.spec_stats.setdefault(r.spec_config.method, SpecStats()).add(step)
+        step = SpecStats(1, num_draft, accepted, (1,) * accepted + (0,) * (num_draft - accepted), committed)
+        r.spec_stats = r.spec_stats + step  # a new snapshot: outputs already emitted keep theirs
+        method = r.spec_config.method
+        self.spec_stats[method] = self.spec_stats.get(method, SpecStats()) + step
 
     def _finish(self, r: Request) -> None:
         r.status = RequestStatus.FINISHED
@@ -350,12 +382,14 @@ class LLMEngine:
         self.requests.pop(r.request_id, None)
 
     def _make_output(self, r: Request) -> RequestOutput:
-        out_ids = r.output_token_ids
-        new_ids = out_ids[r.emitted_token_len :]
-        vis = visible_text_len(r)
-        new_text = r.text[r.emitted_text_len : vis] if vis > r.emitted_text_len else ""
+        """What is new since the request's previous output: O(new tokens), never a copy of the history."""
+        new_ids = r.all_token_ids[r.num_prompt_tokens + r.emitted_token_len :]
         new_lps = r.logprobs[r.emitted_token_len :] if r.logprobs is not None else None
-        r.emitted_token_len = len(out_ids)
+        vis = visible_text_len(r)
+        if vis < r.emitted_text_len:  # a stop cut text already sent: the stream and the text disagree
+            logger.warning("request %s: its text was cut below what was already streamed", r.request_id)
+        new_text = r.text[r.emitted_text_len : vis] if vis > r.emitted_text_len else ""
+        r.emitted_token_len += len(new_ids)
         r.emitted_text_len = max(vis, r.emitted_text_len)
         return RequestOutput(
             request_id=r.request_id,
@@ -363,9 +397,6 @@ class LLMEngine:
             new_token_ids=new_ids,
             new_text=new_text,
             new_logprobs=new_lps,
-            token_ids=list(out_ids),
-            text=r.text,
-            logprobs=list(r.logprobs) if r.logprobs is not None else None,
             finished=r.finished,
             finish_reason=r.finish_reason,
             stop_reason=r.stop_reason,

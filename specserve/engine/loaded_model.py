@@ -7,14 +7,16 @@ architecture once, loads the weights, and sizes the KV cache. The target and eve
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import AutoTokenizer
 
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import ModelRunner
+from specserve.hub import ModelFiles, resolve_model
 from specserve.model.config import ModelConfig
 from specserve.model.loader import DTYPES, load_model
-from specserve.hub import resolve_model
 
 
 def resolve_device(device: str) -> torch.device:
@@ -49,15 +51,26 @@ class LoadedModel:
     """
 
     def __init__(self, model_ref: str, dtype: str, device: str, max_model_len: int | None, num_slots: int):
-        self.files = resolve_model(model_ref)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        cfg = ModelConfig.from_folder(self.files.path)
-        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.model = load_model(self.files.path, cfg, self.dtype, self.device, self.max_model_len)
-        self.config = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files.path))
-        self.kv = KVCache(
-            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.max_model_len, self.dtype, self.device
-        )
-        self.runner = ModelRunner(self.model, self.kv, self.device)
+        files = resolve_model(model_ref)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        cfg = ModelConfig.from_folder(files.path)
+        max_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+        model = load_model(files.path, cfg, dt, dev, max_len)
+        self._assemble(files, cfg, model, AutoTokenizer.from_pretrained(str(files.path)), dt, dev, max_len, num_slots)
+
+    @classmethod
+    def from_parts(cls, files: ModelFiles, config: ModelConfig, model: torch.nn.Module, tokenizer: Any, *,
+                   dtype: torch.dtype, device: torch.device, max_model_len: int, num_slots: int) -> "LoadedModel":
+        """A LoadedModel around a model already in memory (any module with `CausalLM.forward`'s signature),
+        with its own KV cache and runner; the tests' model-free stand-in uses it (tests/helpers/fake_engine.py)."""
+        self = cls.__new__(cls)
+        self._assemble(files, config, model, tokenizer, dtype, device, max_model_len, num_slots)
+        return self
+
+    def _assemble(self, files: ModelFiles, cfg: ModelConfig, model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int, num_slots: int) -> None:
+        self.files, self.config, self.model, self.tokenizer = files, cfg, model, tokenizer
+        self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
+        self.kv = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, max_model_len, dtype, device)
+        self.runner = ModelRunner(model, self.kv, device)

@@ -3,10 +3,11 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (see `serving.py`), GET /v1/models,
 GET /health (200 while the engine thread runs, else 503), GET /metrics (Prometheus text, this app's
 own registry), and the admin API under /admin (see `specserve.rollout.admin`).
-`create_app()` takes an engine object with the `LLMEngine` API (a real one, or the tests' `tests.helpers.fake_engine.FakeEngine`
-in tests), prepares each profile's proposer once (draft models are loaded once and shared), and starts
-the engine thread when the app starts (lifespan) and stops it, cleanly, when the app stops.
-What it does not do: parse the command line or run uvicorn (see `launcher.py`).
+`create_app()` takes an `EngineClient` (engine_client.py; `AsyncEngine` over an `LLMEngine`, whose
+target is a model-free stand-in in the tests: tests/helpers/fake_engine.py), prepares each profile's
+proposer once (draft models are loaded once and shared), starts the engine when the app starts
+(lifespan) and stops it, cleanly, when the app stops.
+What it does not do: parse the command line, load the engine or run uvicorn (see `launcher.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,7 +26,7 @@ from specserve.rollout.admin import admin_router
 from specserve.rollout.policy import RolloutPolicy
 from specserve.rollout.profiles import ProfileSet, default_profile_set
 from specserve.rollout.request_log import RequestLog
-from specserve.server.async_engine import AsyncEngine
+from specserve.server.engine_client import EngineClient
 from specserve.server.errors import BodySizeLimitMiddleware, install_error_handlers
 from specserve.server.formatting import TokenText
 from specserve.server.serving import ServerState, handle_generate
@@ -45,10 +45,16 @@ class ServerSettings:
     max_queue: int | None = 256
     max_body_bytes: int = 4 * 1024 * 1024
     policy_seed: int | None = None
-    max_num_seqs: int | None = None  # for the queue limit; default: engine.config.max_num_seqs, else 16
+    max_num_seqs: int | None = None  # for the queue limit; default: the engine's max_num_seqs
 
 
-def create_app(engine: Any, profile_set: ProfileSet | None = None, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
+               settings: ServerSettings | None = None) -> FastAPI:
+    """The app serving `engine` with `profile_set` (default: baseline only).
+
+    Raises:
+        ConfigError: the engine cannot build a profile's proposer.
+    """
     settings = settings or ServerSettings()
     profile_set = profile_set or default_profile_set(None)
     for spec_config in profile_set.unique_spec_configs():
@@ -56,17 +62,17 @@ def create_app(engine: Any, profile_set: ProfileSet | None = None, settings: Ser
     policy = RolloutPolicy(profile_set, allow_override=settings.allow_profile_override, seed=settings.policy_seed)
     model_name = engine.model_name
     state = ServerState(
-        engine=AsyncEngine(engine),
+        engine=engine,
         policy=policy,
         metrics=ServerMetrics(list(profile_set.profiles), model_name),
         request_log=RequestLog(settings.request_log, log_prompts=settings.log_prompts),
         token_text=TokenText(engine.tokenizer),
         model_name=model_name,
-        model_checksum=getattr(engine, "model_checksum", None),
-        max_num_seqs=int(settings.max_num_seqs or getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 16),
+        model_checksum=engine.model_checksum,
+        max_num_seqs=settings.max_num_seqs or engine.max_num_seqs,
         max_queue=settings.max_queue,
     )
-    max_model_len = getattr(engine, "max_model_len", None)
+    max_model_len = engine.max_model_len
     created = int(time.time())
 
     @asynccontextmanager
@@ -109,7 +115,7 @@ def create_app(engine: Any, profile_set: ProfileSet | None = None, settings: Ser
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.set_engine_stats(state.engine.stats, state.engine.in_flight)
+        state.metrics.set_engine_stats(state.engine.stats(), state.engine.in_flight)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -1,18 +1,19 @@
-"""Runs the (not thread-safe) `LLMEngine` in one background thread and talks to asyncio handlers.
+"""`AsyncEngine`: the `EngineClient` over an `LLMEngine`, which it runs in one background thread.
 
 What it does:
-- Every engine call (tokenize, add_request, abort_request, step, stats) happens on ONE thread.
-  Handlers hand work over through a locked inbox drained between steps; the thread sleeps on a
-  `threading.Condition` when there is nothing to do (no busy spin) and steps back to back otherwise,
-  so concurrent requests are batched by the engine's scheduler.
-- `submit()` tokenizes the prompt (text, token ids or chat messages) and adds one engine request per
-  choice (ids `f"{request_id}-{i}"`); it resolves with the prompt token ids, or raises the engine's
-  error (e.g. RequestError: prompt too long) so the handler can answer 400 before any streaming.
-  Outputs arrive on the submission's `asyncio.Queue` as `(choice_index, RequestOutput)`, delivered with
-  `loop.call_soon_threadsafe` (one call per step).
+- Every engine call (encode, add_request, abort_request, step, stats) happens on ONE thread (the
+  engine is not thread-safe). Handlers hand work over through a locked inbox drained between steps;
+  the thread sleeps on a `threading.Condition` when there is nothing to do (no busy spin) and steps
+  back to back otherwise, so concurrent requests are batched by the engine's scheduler.
+- `submit()` has the engine encode the typed prompt once (`LLMEngine.encode`) and adds one engine
+  request per choice (ids `f"{request_id}-{i}"`); it returns an `EngineRequest`, or raises the
+  engine's error (an `InvalidRequestError` such as RequestError: prompt too long) before anything
+  streams. Each step's outputs reach the request's queue as `Output(index, RequestOutput)` items,
+  delivered with `loop.call_soon_threadsafe` (one call per step); RequestOutputs are deltas with
+  frozen counters, so nothing is shared with the engine thread.
 - `abort()` (sync, callable from any coroutine or finally block) cancels engine requests and frees
-  their KV at once; the queue then gets `(index, ABORTED)`.
-- If `step()` raises, every request in flight gets `(index, EngineDeadError)` and the engine is
+  their KV at once; the queue then gets `Aborted(index)`.
+- If `step()` raises, every request in flight gets `Failed(index, EngineDeadError)` and the engine is
   marked dead (new submits raise EngineDeadError; /health reports 503).
 What it does not do: HTTP, n>1 seeding (the handler builds per-choice SamplingParams), or profiles.
 """
@@ -23,55 +24,79 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.llm_engine import LLMEngine
+from specserve.inputs import Prompt, TokenPrompt
+from specserve.sampling_params import SamplingParams
+from specserve.server.engine_client import Aborted, EngineDeadError, EngineRequest, Failed, Output, QueueItem
 
 logger = logging.getLogger("specserve.server")
 
-ABORTED = "aborted"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; the server cannot generate any more."""
-
 
 @dataclass
-class Submission:
-    """One HTTP request's engine work: its prompt, one SamplingParams per choice, its profile's
-    speculative config, the asyncio queue its outputs arrive on, and the future resolved with the
-    prompt token ids (or the engine's error) once the engine thread has added it."""
+class _Submission:
+    """One `submit()` on its way to the engine thread: the future is resolved with the prompt token ids
+    (or the engine's error) once the thread has added every choice."""
 
-    request_id: str
-    prompt: tuple  # ("text", str) | ("ids", list[int]) | ("chat", messages, tools)
-    params: list[Any]  # one SamplingParams per choice
-    spec_config: Any  # SpeculativeConfig | None
+    prompt: Prompt
+    params: Sequence[SamplingParams]
+    spec_config: SpeculativeConfig | None
     arrival_time: float
+    child_ids: list[str]
     queue: asyncio.Queue
     future: asyncio.Future
-    child_ids: list[str] = field(default_factory=list)
 
 
 class AsyncEngine:
-    """The bridge between asyncio handlers and the engine thread (see the module docstring).
+    """The `EngineClient` over an `LLMEngine` (see the module docstring).
 
     Args:
-        engine: an object with the LLMEngine API.
+        engine: the engine; from now on only this object's thread may call it.
         poll_timeout_s: how long the idle engine thread sleeps between checks (s).
     """
 
-    def __init__(self, engine: Any, *, poll_timeout_s: float = 1.0):
+    def __init__(self, engine: LLMEngine, *, poll_timeout_s: float = 1.0):
         self.engine = engine
+        self.model_name: str = engine.model_name
+        self.model_checksum: str | None = engine.model_checksum
+        self.max_model_len: int = engine.max_model_len
+        self.max_num_seqs: int = engine.config.max_num_seqs
+        self.tokenizer: Any = engine.tokenizer
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._routes: dict[str, tuple[Submission, int]] = {}  # engine thread only
+        self._routes: dict[str, tuple[_Submission, int]] = {}  # engine thread only
         self._poll_timeout_s = poll_timeout_s
-        self.dead: BaseException | None = None
-        self.stats: dict[str, Any] = {}
+        self._dead: BaseException | None = None
+        self._stats: dict[str, Any] = {}
         self.in_flight = 0  # engine requests submitted and not yet finished (event-loop thread only)
         self.num_steps = 0
+
+    def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> None:
+        """Build the proposer for `spec_config` now (a draft model loads once).
+
+        Raises:
+            RuntimeError: the engine thread already runs (the engine is not thread-safe).
+            ConfigError: the engine cannot build that proposer.
+        """
+        if self._thread is not None:
+            raise RuntimeError("prepare_speculative_config() must be called before start()")
+        self.engine.prepare_speculative_config(spec_config)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's gauges as of its last step (a copy; see LLMEngine.stats)."""
+        return dict(self._stats)
+
+    @property
+    def dead(self) -> BaseException | None:
+        """The error that stopped the engine thread, or None."""
+        return self._dead
 
     # ---- lifecycle (event-loop thread) ---------------------------------------------------------
 
@@ -95,19 +120,25 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         """True while the engine thread runs and no step has failed."""
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     # ---- requests (event-loop thread) ----------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt: tuple, params: list[Any], spec_config: Any,
-                     arrival_time: float | None = None) -> tuple[list[int], asyncio.Queue, list[str]]:
-        """Tokenize + add len(params) engine requests. Returns (prompt_ids, queue, child_ids)."""
-        if self.dead is not None or not self.alive:
-            raise EngineDeadError(f"engine is not running: {self.dead!r}")
+    async def submit(self, request_id: str, prompt: Prompt, params: Sequence[SamplingParams],
+                     spec_config: SpeculativeConfig | None, arrival_time: float | None = None) -> EngineRequest:
+        """Encode `prompt` once and add len(params) engine requests (see EngineClient.submit).
+
+        Raises:
+            InvalidRequestError: the engine refused the prompt.
+            EngineDeadError: the engine is not running.
+            Exception: anything else the engine raised while adding the request (a bug: the server
+                answers 500).
+        """
+        if self._dead is not None or not self.alive:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
         loop = asyncio.get_running_loop()
-        sub = Submission(request_id, prompt, params, spec_config, arrival_time or time.monotonic(),
-                         asyncio.Queue(), loop.create_future(),
-                         [f"{request_id}-{i}" for i in range(len(params))])
+        sub = _Submission(prompt, params, spec_config, arrival_time or time.monotonic(),
+                          [f"{request_id}-{i}" for i in range(len(params))], asyncio.Queue(), loop.create_future())
         self.in_flight += len(params)
         self._post("submit", sub)
         try:
@@ -115,9 +146,9 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(sub.child_ids)  # the client left while we waited: do not leak engine requests
             raise
-        return prompt_ids, sub.queue, sub.child_ids
+        return EngineRequest(prompt_ids, sub.child_ids, sub.queue)
 
-    def abort(self, child_ids: list[str]) -> None:
+    def abort(self, child_ids: Sequence[str]) -> None:
         """Cancel engine requests (unknown or finished ids are ignored). Safe to call twice."""
         if child_ids:
             self._post("abort", list(child_ids))
@@ -129,7 +160,7 @@ class AsyncEngine:
 
     # ---- callbacks run on the event loop -------------------------------------------------------
 
-    def _resolve(self, sub: Submission, result: Any, error: BaseException | None) -> None:
+    def _resolve(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         if error is not None:
             self.in_flight -= len(sub.params)
             if not sub.future.done():
@@ -137,11 +168,11 @@ class AsyncEngine:
         elif not sub.future.done():
             sub.future.set_result(result)
 
-    def _deliver(self, batch: list[tuple[Submission, int, Any, bool]]) -> None:
-        for sub, index, item, final in batch:
-            if final:
+    def _deliver(self, batch: list[tuple[_Submission, QueueItem]]) -> None:
+        for sub, item in batch:
+            if not isinstance(item, Output) or item.output.finished:
                 self.in_flight -= 1
-            sub.queue.put_nowait((index, item))
+            sub.queue.put_nowait(item)
 
     def _call(self, fn, *args) -> None:
         loop = self._loop
@@ -158,26 +189,26 @@ class AsyncEngine:
         self._refresh_stats()
         while True:
             with self._cond:
-                while not self._inbox and not self._stopping and (self.dead or not eng.has_unfinished_requests()):
+                while not self._inbox and not self._stopping and (self._dead or not eng.has_unfinished_requests()):
                     self._cond.wait(self._poll_timeout_s)
                 ops, self._inbox = self._inbox, []
                 stopping = self._stopping
             if stopping:
                 self._fail_all(EngineDeadError("server is shutting down"), ops)
                 return
-            batch: list[tuple[Submission, int, Any, bool]] = []
+            batch: list[tuple[_Submission, QueueItem]] = []
             for kind, payload in ops:
                 if kind == "submit":
                     self._do_submit(payload)
                 else:
                     self._do_abort(payload, batch)
-            if self.dead is None and eng.has_unfinished_requests():
+            if self._dead is None and eng.has_unfinished_requests():
                 try:
                     outs = eng.step()
                     self.num_steps += 1
                 except Exception as e:  # noqa: BLE001 - report to every waiting client, then stop stepping
                     logger.exception("engine step failed; the engine is now marked dead")
-                    self.dead = e
+                    self._dead = e
                     self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"), [])
                     continue
                 for out in outs:
@@ -186,30 +217,24 @@ class AsyncEngine:
                         continue
                     if out.finished:
                         del self._routes[out.request_id]
-                    out.spec_stats = replace(out.spec_stats, num_accepted_tokens_per_pos=list(out.spec_stats.num_accepted_tokens_per_pos))
-                    batch.append((route[0], route[1], out, out.finished))
+                    batch.append((route[0], Output(route[1], out)))
             self._refresh_stats()
             if batch:
                 self._call(self._deliver, batch)
 
-    def _do_submit(self, sub: Submission) -> None:
+    def _do_submit(self, sub: _Submission) -> None:
         eng = self.engine
-        if self.dead is not None:
-            self._call(self._resolve, sub, None, EngineDeadError(f"engine is dead: {self.dead!r}"))
+        if self._dead is not None:
+            self._call(self._resolve, sub, None, EngineDeadError(f"engine is dead: {self._dead!r}"))
             return
         added: list[str] = []
         try:
-            kind = sub.prompt[0]
-            if kind == "text":
-                ids = eng.encode_prompt(sub.prompt[1])
-            elif kind == "chat":
-                ids = eng.encode_chat(sub.prompt[1], tools=sub.prompt[2])
-            else:
-                ids = list(sub.prompt[1])
+            ids = eng.encode(sub.prompt)
             for cid, params in zip(sub.child_ids, sub.params):
-                eng.add_request(cid, ids, params, speculative_config=sub.spec_config, arrival_time=sub.arrival_time)
+                eng.add_request(cid, TokenPrompt(ids), params, speculative_config=sub.spec_config,
+                                arrival_time=sub.arrival_time)
                 added.append(cid)
-        except Exception as e:  # noqa: BLE001 - the handler maps it to an HTTP status
+        except Exception as e:  # noqa: BLE001 - the handler maps it to an HTTP status by its type
             for cid in added:
                 self._safe_abort(cid)
             self._call(self._resolve, sub, None, e)
@@ -218,13 +243,13 @@ class AsyncEngine:
             self._routes[cid] = (sub, i)
         self._call(self._resolve, sub, list(ids), None)
 
-    def _do_abort(self, child_ids: list[str], batch: list) -> None:
+    def _do_abort(self, child_ids: list[str], batch: list[tuple[_Submission, QueueItem]]) -> None:
         for cid in child_ids:
             route = self._routes.pop(cid, None)
             if route is None:
                 continue
             self._safe_abort(cid)
-            batch.append((route[0], route[1], ABORTED, True))
+            batch.append((route[0], Aborted(route[1])))
 
     def _safe_abort(self, cid: str) -> None:
         try:
@@ -233,10 +258,10 @@ class AsyncEngine:
             logger.debug("abort of %s ignored", cid, exc_info=True)
 
     def _fail_all(self, error: BaseException, ops: list) -> None:
-        batch = []
+        batch: list[tuple[_Submission, QueueItem]] = []
         for cid, (sub, i) in list(self._routes.items()):
             self._safe_abort(cid)
-            batch.append((sub, i, error, True))
+            batch.append((sub, Failed(i, error)))
         self._routes.clear()
         for kind, payload in ops:
             if kind == "submit":
@@ -247,6 +272,6 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         try:
-            self.stats = dict(self.engine.stats())
+            self._stats = dict(self.engine.stats())
         except Exception:  # noqa: BLE001 - stats are best effort
             logger.debug("engine.stats() failed", exc_info=True)

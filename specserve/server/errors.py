@@ -2,7 +2,7 @@
 
 What it does: every error the server returns has the body
 `{"error": {"message", "type", "param", "code"}}` and the right status code, including FastAPI's own
-404/405 and anything unexpected (500, logged with its traceback). `BodySizeLimitMiddleware` answers 413
+404/405 and anything unexpected (500, logged with its traceback; the body names nothing internal). `BodySizeLimitMiddleware` answers 413
 for a body over the limit, whether or not the client sent Content-Length.
 What it does not do: decide which request values are invalid (see `protocol.py`).
 """
@@ -55,6 +55,13 @@ class APIError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
 
+def internal_error(rid: str) -> APIError:
+    """The 500 for a failure inside the engine: not the client's fault, and nothing internal in the body
+    (whoever caught the exception logs its traceback)."""
+    return APIError(500, f"internal error while generating {rid}; the server log has the details",
+                    code="internal_error")
+
+
 class BodyTooLarge(Exception):
     """Raised by the size-limited `receive` when a chunked body passes the limit."""
 
@@ -98,9 +105,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, validation_message(exc.errors()), param=validation_param(exc.errors()))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_req: Request, exc: Exception):
-        logger.exception("unhandled error: %s", exc)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def _unexpected(req: Request, exc: Exception):
+        logger.error("unhandled error on %s %s", req.method, req.url.path, exc_info=exc)
+        return error_response(500, "internal server error; the server log has the details", code="internal_error")
 
 
 def validation_message(errors: list[dict]) -> str:

@@ -1,93 +1,115 @@
-"""One accepted completion request while it runs: gathers engine outputs, streams or collects them,
-and records the outcome exactly once (request log line + Prometheus series).
+"""One accepted completion request while it runs: the engine's deltas in, SSE chunks or one response
+body out, and the outcome recorded exactly once (request log line + Prometheus series).
 
-What it does: `collect()` waits for all n choices and returns the non-streaming body; `stream()` is the
-SSE generator (chat sends a role chunk first; each chunk carries one choice's new text and, when asked,
-one logprobs entry per new token, even while text is held back; the chunk with finish_reason and the
-usage chunk carry the `specserve` block). A client that disconnects (or a cancelled handler) gets its
-engine requests aborted, which frees their KV at once, and is logged as "cancelled" (code 499).
-What it does not do: parse requests or choose the profile (see `serving.py`).
+What it does: reads the `QueueItem`s of the request's `EngineRequest`. An `Output` is one choice's
+step delta (new text, new token ids, new logprobs, a frozen counter snapshot): `stream()` sends it as
+it comes (chat sends a role chunk first; a delta with nothing new is skipped; the chunk with
+finish_reason and the usage chunk carry the `specserve` block), and both modes sum each choice's
+deltas (`OutputAccumulator`) for usage, the counters and the non-streaming body (`collect()`).
+`Aborted` ends a choice; `Failed` (the engine died) ends the request with 503, and a choice the
+engine finished with "error" (it failed on this request alone) with 500. A client that
+disconnects (or a cancelled handler) gets its engine requests aborted, which frees their KV at once,
+and is logged as "cancelled" (code 499).
+What it does not do: parse requests or choose the profile (see `serving.py`), or decide what text is
+final (the engine does; its deltas are sent as they are).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specserve.outputs import SpecStats
+from specserve.outputs import OutputAccumulator, RequestOutput, SpecStats
+from specserve.rollout.profiles import Profile
 from specserve.server import formatting as fmt
-from specserve.server.async_engine import ABORTED
-from specserve.server.errors import APIError, error_body
+from specserve.server.engine_client import Aborted, EngineRequest, Failed, QueueItem
+from specserve.server.errors import APIError, error_body, internal_error
 
-logger = logging.getLogger("specserve.server")
+if TYPE_CHECKING:
+    from specserve.server.serving import ServerState
 
 
 @dataclass
 class _Choice:
-    text: str = ""
-    streamed: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] | None = None
-    num_lp_sent: int = 0
-    text_offset: int = 0
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    spec_stats: SpecStats = field(default_factory=SpecStats)
-    done: bool = False
+    acc: OutputAccumulator = field(default_factory=OutputAccumulator)
+    aborted: bool = False
+    text_offset: int = 0  # completions logprobs: where the next streamed token starts in the text
+
+    @property
+    def done(self) -> bool:
+        return self.aborted or self.acc.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return "abort" if self.aborted else self.acc.finish_reason
 
 
 class Generation:
-    def __init__(self, state: Any, rid: str, chat: bool, record: dict, profile: Any, prompt_ids: list[int],
-                 queue: asyncio.Queue, child_ids: list[str], *, t0: float, want_logprobs: bool,
-                 include_usage: bool, prompt_text: Any = None):
+    """Drives one submitted request to its response (see the module docstring).
+
+    Args:
+        state: the server's state (metrics, request log, token text, model name, engine client).
+        rid: the response id; chat: chat or completions shapes; record: the request log line so far.
+        profile: the speculation profile chosen; submitted: what `EngineClient.submit` returned.
+        t0: when the request arrived (s, time.monotonic); want_logprobs, include_usage: from the body.
+        prompt_for_log: what the request log records as "prompt" (with --log-prompts), else None.
+    """
+
+    def __init__(self, state: ServerState, rid: str, chat: bool, record: dict, profile: Profile, submitted: EngineRequest,
+                 *, t0: float, want_logprobs: bool, include_usage: bool, prompt_for_log: Any = None):
         self.state, self.rid, self.chat, self.record, self.profile = state, rid, chat, record, profile
-        self.prompt_ids, self.queue, self.child_ids = prompt_ids, queue, child_ids
+        self.prompt_ids, self.queue, self.child_ids = submitted.prompt_token_ids, submitted.queue, submitted.child_ids
         self.t0, self.want_logprobs, self.include_usage = t0, want_logprobs, include_usage
-        self.prompt_text = prompt_text
+        self.prompt_for_log = prompt_for_log
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in child_ids]
+        self.choices = [_Choice() for _ in self.child_ids]
         self.first_token_t: float | None = None
         self.last_token_t: float | None = None
         self.recorded = False
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
-    def _absorb(self, index: int, out: Any) -> _Choice:
-        if isinstance(out, BaseException):
-            raise APIError(503, f"generation failed: {out}", code="engine_error")
-        c = self.choices[index]
-        if out == ABORTED:
-            c.done, c.finish_reason = True, "abort"
-            return c
-        now = time.monotonic()
+    def _take(self, item: QueueItem) -> RequestOutput | None:
+        """Absorb one queue item into its choice; returns the output delta it carried, if any.
+
+        Raises:
+            APIError: 503 when the engine died; 500 when it failed this request alone (finish_reason
+                "error"; the engine logged the traceback).
+        """
+        if isinstance(item, Failed):
+            raise APIError(503, f"generation failed: {item.error}", code="engine_error")
+        c = self.choices[item.index]
+        if isinstance(item, Aborted):
+            c.aborted = True
+            return None
+        out = item.output
         n_new = len(out.new_token_ids)
         if n_new:
+            now = time.monotonic()
             if self.first_token_t is None:
                 self.first_token_t = now
                 self.state.metrics.observe_first_token(self.profile.name, now - self.t0)
             else:
                 self.state.metrics.observe_tokens(self.profile.name, now - self.last_token_t, n_new)
             self.last_token_t = now
-        c.token_ids, c.text, c.spec_stats = list(out.token_ids), out.text, out.spec_stats
-        c.logprobs = out.logprobs
-        if out.finished:
-            c.done, c.finish_reason, c.stop_reason = True, out.finish_reason, out.stop_reason
-        return c
+        c.acc.add(out)
+        if out.finish_reason == "error":
+            raise internal_error(self.rid)
+        return out
 
     def total_spec(self) -> SpecStats:
-        total = SpecStats()
-        for c in self.choices:
-            total.add(c.spec_stats)
-        return total
+        return sum((c.acc.spec_stats for c in self.choices), SpecStats())
 
     def spec_block(self) -> dict:
         return fmt.specserve_block(self.profile, self.total_spec())
 
+    def completion_tokens(self) -> int:
+        return sum(len(c.acc.token_ids) for c in self.choices)
+
     def usage(self) -> dict:
-        return fmt.usage(len(self.prompt_ids), sum(len(c.token_ids) for c in self.choices))
+        return fmt.usage(len(self.prompt_ids), self.completion_tokens())
 
     @property
     def done(self) -> bool:
@@ -100,7 +122,7 @@ class Generation:
         self.recorded = True
         spec_stats = self.total_spec()
         now = time.monotonic()
-        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        completion_tokens = self.completion_tokens()
         rec = self.record
         rec.update(
             prompt_tokens=len(self.prompt_ids), completion_tokens=completion_tokens,
@@ -109,8 +131,9 @@ class Generation:
             status=status, http_status=code, error=error, **{k: v for k, v in spec_stats.to_dict().items()},
         )
         if self.state.request_log.log_prompts:
-            rec["prompt"] = self.prompt_text
-            rec["output"] = [c.text for c in self.choices] if len(self.choices) > 1 else self.choices[0].text
+            rec["prompt"] = self.prompt_for_log
+            texts = [c.acc.text for c in self.choices]
+            rec["output"] = texts if len(texts) > 1 else texts[0]
         self.state.request_log.write(rec)
         self.state.metrics.observe_finished(
             profile=self.profile.name, status=status, code=code, prompt_tokens=len(self.prompt_ids),
@@ -129,8 +152,7 @@ class Generation:
         try:
             while not self.done:
                 try:
-                    index, out = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-                    self._absorb(index, out)
+                    self._take(await asyncio.wait_for(self.queue.get(), timeout=0.5))
                 except asyncio.TimeoutError:
                     pass
                 if time.monotonic() >= next_check:  # a gone client's request is aborted (KV freed)
@@ -149,12 +171,13 @@ class Generation:
         tok = self.state.token_text
         choices = []
         for i, c in enumerate(self.choices):
+            lps = c.acc.logprobs or []
             if self.chat:
-                lp = fmt.chat_logprobs(c.logprobs or [], tok) if self.want_logprobs else None
-                choices.append(fmt.chat_choice(i, c.text, lp, c.finish_reason, c.stop_reason))
+                lp = fmt.chat_logprobs(lps, tok) if self.want_logprobs else None
+                choices.append(fmt.chat_choice(i, c.acc.text, lp, c.finish_reason, c.acc.stop_reason))
             else:
-                lp = fmt.completion_logprobs(c.logprobs or [], tok) if self.want_logprobs else None
-                choices.append(fmt.completion_choice(i, c.text, lp, c.finish_reason, c.stop_reason))
+                lp = fmt.completion_logprobs(lps, tok) if self.want_logprobs else None
+                choices.append(fmt.completion_choice(i, c.acc.text, lp, c.finish_reason, c.acc.stop_reason))
         build = fmt.chat_body if self.chat else fmt.completion_body
         return build(self.rid, self.created, self.state.model_name, choices, self.usage(), self.spec_block())
 
@@ -164,30 +187,24 @@ class Generation:
 
     # ---- streaming -----------------------------------------------------------------------------------
 
-    def _delta_chunk(self, index: int, c: _Choice, out: Any) -> dict | None:
-        delta = out.new_text or ""
-        if c.done and c.text != c.streamed + delta:
-            if c.text.startswith(c.streamed + delta):  # flush anything the engine still held back
-                delta = c.text[len(c.streamed):]
-            else:
-                logger.warning("%s: streamed text diverged from final text", self.rid)
-        c.streamed += delta
+    def _delta_chunk(self, index: int, out: RequestOutput) -> dict | None:
+        """The chunk for one choice's delta, or None when it carries nothing new."""
         lp = None
         if self.want_logprobs:
-            new_lps = (c.logprobs or [])[c.num_lp_sent:]
-            c.num_lp_sent += len(new_lps)
+            new_lps = out.new_logprobs or []
             if self.chat:
                 lp = fmt.chat_logprobs(new_lps, self.state.token_text)
             else:
+                c = self.choices[index]
                 lp = fmt.completion_logprobs(new_lps, self.state.token_text, c.text_offset)
                 c.text_offset += sum(len(t) for t in lp["tokens"])
-            if not new_lps and not delta and not c.done:
+            if not new_lps and not out.new_text and not out.finished:
                 return None
-        elif not delta and not c.done:
+        elif not out.new_text and not out.finished:
             return None
         return fmt.chunk(self.chat, self.rid, self.created, self.state.model_name, index,
-                         text=delta, logprobs=lp, finish_reason=c.finish_reason if c.done else None,
-                         include_usage=self.include_usage, spec_block=self.spec_block() if c.done else None)
+                         text=out.new_text, logprobs=lp, finish_reason=out.finish_reason if out.finished else None,
+                         include_usage=self.include_usage, spec_block=self.spec_block() if out.finished else None)
 
     async def stream(self):
         """The SSE body. Any exit before the end (disconnect, cancel) aborts the engine requests."""
@@ -198,17 +215,15 @@ class Generation:
                     yield fmt.sse(fmt.chunk(True, self.rid, self.created, name, i, role="assistant", text="",
                                             include_usage=self.include_usage))
             while not self.done:
-                index, out = await self.queue.get()
+                item = await self.queue.get()
                 try:
-                    c = self._absorb(index, out)
+                    out = self._take(item)
                 except APIError as e:
                     self._fail(e)
                     yield fmt.sse(error_body(e.status, e.message, code=e.code))
                     yield fmt.SSE_DONE
                     return
-                if out == ABORTED:
-                    continue
-                ch = self._delta_chunk(index, c, out)
+                ch = self._delta_chunk(item.index, out) if out is not None else None
                 if ch is not None:
                     yield fmt.sse(ch)
             if self.include_usage:

@@ -39,6 +39,7 @@ def serve(args: argparse.Namespace) -> int:
     from specserve.config import EngineConfig
     from specserve.engine.llm_engine import LLMEngine
     from specserve.server.api import ServerSettings, create_app
+    from specserve.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,7 +55,7 @@ def serve(args: argparse.Namespace) -> int:
         allow_profile_override=args.allow_profile_override, admin_token=token, request_log=args.request_log,
         log_prompts=args.log_prompts, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
     )
-    app = create_app(engine, profile_set, settings)
+    app = create_app(AsyncEngine(engine), profile_set, settings)
     logging.getLogger("specserve.server").info(
         "profiles: %s; admin API %s", {n: p.method for n, p in profile_set.profiles.items()},
         "on" if token else "off (no --admin-token)",

@@ -1,9 +1,11 @@
 """OpenAI-compatible request bodies (pydantic), used at the HTTP boundary only.
 
 What it does: parses and type-checks the JSON bodies of POST /v1/completions and
-POST /v1/chat/completions, and turns them into the engine's `SamplingParams` (whose `__post_init__`
-is the single place where value ranges are checked). What it does not do: build responses (see
-`formatting.py`), tokenize, or choose a speculation profile (see `specserve.rollout.policy`).
+POST /v1/chat/completions, and turns them into what the engine takes: a typed prompt (`engine_prompt`:
+TextPrompt / TokenPrompt / ChatPrompt) and `SamplingParams` (whose range table is the single place
+where value ranges are checked). Every refusal is an `InvalidRequestError` whose `param` is the body
+field at fault. What it does not do: build responses (see `formatting.py`), tokenize, or choose a
+speculation profile (see `specserve.rollout.policy`).
 
 Unknown fields are ignored (as vLLM and OpenAI do for forward compatibility); known fields with the
 wrong type are a 400. Completions accept a single prompt (a string or a list of token ids, or a
@@ -12,11 +14,14 @@ one-element list of either); batched prompts are refused with a clear message.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.sampling_params import SamplingParams
+from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, TokenPrompt
+from specserve.sampling_params import SamplingParams, SamplingParamsError
+
+MAX_N = 16  # the server's fan-out limit per request (offline, SamplingParams allows any n >= 1)
 
 
 class StreamOptions(BaseModel):
@@ -81,12 +86,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
 
 
-class RequestValueError(ValueError):
-    """A well-typed but unusable request value; `param` names the field for the error body."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+def engine_prompt(req: CompletionRequest | ChatCompletionRequest) -> Prompt:
+    """The request's prompt as the engine takes it: chat messages (with tools) or the single
+    completion prompt (text or token ids). Raises InvalidRequestError."""
+    if isinstance(req, ChatCompletionRequest):
+        return ChatPrompt(tuple(chat_messages(req)), tuple(req.tools) if req.tools is not None else None)
+    p = completion_prompt(req)
+    return TextPrompt(p) if isinstance(p, str) else TokenPrompt(tuple(p))
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -94,25 +100,23 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
-            raise RequestValueError(
+            raise InvalidRequestError(
                 "batched prompts are not supported: send one request per prompt", param="prompt"
             )
         p = p[0]
-    if isinstance(p, str) and not p:
-        raise RequestValueError("prompt must not be empty", param="prompt")
-    if isinstance(p, list) and not p:
-        raise RequestValueError("prompt must not be empty", param="prompt")
+    if not p:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
     if req.echo:
-        raise RequestValueError("echo is not supported", param="echo")
+        raise InvalidRequestError("echo is not supported", param="echo")
     if req.suffix:
-        raise RequestValueError("suffix is not supported", param="suffix")
+        raise InvalidRequestError("suffix is not supported", param="suffix")
     return p
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template; list-of-parts content is joined to text."""
     if not req.messages:
-        raise RequestValueError("messages must not be empty", param="messages")
+        raise InvalidRequestError("messages must not be empty", param="messages")
     out = []
     for m in req.messages:
         d = m.model_dump(exclude_none=True)
@@ -120,7 +124,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             texts = []
             for part in m.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestValueError("only text content parts are supported", param="messages")
+                    raise InvalidRequestError("only text content parts are supported", param="messages")
                 texts.append(part["text"])
             d["content"] = "".join(texts)
         elif m.content is None:
@@ -132,15 +136,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 def _logprobs_count(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
-            raise RequestValueError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        if not req.logprobs:
-            return None
-        k = req.top_logprobs or 0
-        if not 0 <= k <= 20:
-            raise RequestValueError(f"top_logprobs must be in [0, 20], got {k}", param="top_logprobs")
-        return k
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise RequestValueError(f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
+            raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
     return req.logprobs
 
 
@@ -148,27 +145,30 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
     """Build validated SamplingParams for ONE choice (n is kept for information; the server fans out).
 
     Defaults follow OpenAI: completions max_tokens 16, chat max_tokens unlimited (up to the context);
-    temperature 1, top_p 1. Raises RequestValueError / SamplingParamsError (both 400 upstream).
+    temperature 1, top_p 1.
+
+    Raises:
+        InvalidRequestError (SamplingParamsError for a value out of range): `param` is the body field,
+            e.g. "max_completion_tokens" or "top_logprobs" where those set max_tokens / logprobs.
     """
     is_chat = isinstance(req, ChatCompletionRequest)
+    aliases = {"logprobs": "top_logprobs"} if is_chat else {}
     max_tokens = req.max_tokens
     if is_chat and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+        max_tokens, aliases["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None and not is_chat:
         max_tokens = 16
-    param_name = "max_completion_tokens" if is_chat and req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise RequestValueError(f"{param_name} must be >= 1, got {max_tokens}", param=param_name)
-    if req.n < 1:
-        raise RequestValueError(f"n must be >= 1, got {req.n}", param="n")
-    if req.n > 16:
-        raise RequestValueError(f"n must be <= 16, got {req.n}", param="n")
-    logit_bias = None
-    if req.logit_bias:
-        try:
-            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise RequestValueError("logit_bias keys must be token ids", param="logit_bias") from None
+    if req.n > MAX_N:
+        raise InvalidRequestError(f"n must be at most {MAX_N}, got {req.n}", param="n")
+    try:
+        return _sampling_params(req, max_tokens)
+    except SamplingParamsError as e:
+        if e.param in aliases:
+            raise e.renamed(aliases[e.param]) from None
+        raise
+
+
+def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -179,7 +179,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
-        logit_bias=logit_bias,
+        logit_bias=req.logit_bias,
         stop=req.stop,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
@@ -189,11 +189,3 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
         skip_special_tokens=req.skip_special_tokens,
     )
 
-
-def param_from_message(message: str) -> str | None:
-    """Best-effort field name from a SamplingParamsError message ("top_p must be ..." -> "top_p")."""
-    head = message.split(" ", 1)[0].strip(":,")
-    return head if head.replace("_", "").isalpha() else None
-
-
-Endpoint = Literal["completions", "chat"]

@@ -4,37 +4,43 @@ What it does, in order: read + parse JSON (400), validate with pydantic and `Sam
 check the model name (404), choose the speculation profile (explicit `profile` field or
 `x-specserve-profile` header only with --allow-profile-override, else 403; unknown name 400; otherwise
 the rollout weights, sticky on the `user` field, else the `x-session-id` header), check the queue
-(503 + Retry-After when running + waiting would pass max_num_seqs + --max-queue), then hand the prompt
-to the engine thread as n engine requests (`{id}-{i}`; with a seed s, choice i uses seed s + i, so
-choices differ but the whole response is reproducible). Engine refusals (prompt empty / longer than the
-context, bad token ids, chat template errors) are 400. Every outcome, errors included, gets one request
-log line and one `specserve:requests_total` increment. The response carries `x-specserve-profile`.
+(503 + Retry-After when running + waiting would pass max_num_seqs + --max-queue), then submit the
+typed prompt to the `EngineClient` as n engine requests (`{id}-{i}`; with a seed s, choice i uses seed
+s + i, so choices differ but the whole response is reproducible). Errors map to a status by their
+type alone: an `InvalidRequestError` (bad value, prompt empty / longer than the context, bad token
+ids, a chat the template refuses) is 400 with its `param` and `code`; `EngineDeadError` 503; anything
+else the engine raises is 500, logged with its traceback, and the body says nothing internal (so is a
+choice the engine finishes with "error", see `generation.py`). Every
+outcome, errors included, gets one request log line and one `specserve:requests_total` increment. The
+response carries `x-specserve-profile`.
 What it does not do: format chunks (`formatting.py`) or drive the stream (`generation.py`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from specserve.inputs import InvalidRequestError, Prompt, TextPrompt, TokenPrompt
+from specserve.metrics.prometheus import ServerMetrics
 from specserve.rollout.policy import ProfileForbidden, RolloutPolicy, UnknownProfile
 from specserve.rollout.request_log import RequestLog
-from specserve.sampling_params import SamplingParamsError
 from specserve.server import protocol
-from specserve.server.async_engine import AsyncEngine, EngineDeadError
-from specserve.server.errors import APIError, validation_message, validation_param
+from specserve.server.engine_client import EngineClient, EngineDeadError
+from specserve.server.errors import APIError, internal_error, validation_message, validation_param
 from specserve.server.formatting import TokenText
 from specserve.server.generation import Generation
-from specserve.metrics.prometheus import ServerMetrics
+
+logger = logging.getLogger("specserve.server")
 
 PROFILE_HEADER = "x-specserve-profile"
 SESSION_HEADER = "x-session-id"
@@ -42,7 +48,7 @@ SESSION_HEADER = "x-session-id"
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     policy: RolloutPolicy
     metrics: ServerMetrics
     request_log: RequestLog
@@ -68,14 +74,27 @@ class _AbortingStream(StreamingResponse):
                 self._gen.cancel()
 
 
-def _error_from_engine(e: BaseException) -> APIError:
+def _bad_request(e: InvalidRequestError) -> APIError:
+    return APIError(400, str(e), param=e.param, code=e.code)
+
+
+def _error_from_engine(rid: str, e: BaseException) -> APIError:
+    """The HTTP error for an exception from `EngineClient.submit`, chosen by its type alone."""
+    if isinstance(e, InvalidRequestError):
+        return _bad_request(e)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_unavailable", headers={"Retry-After": "5"})
-    msg = str(e) or type(e).__name__
-    if isinstance(e, (ValueError, TypeError, KeyError, IndexError, TemplateError)):
-        code = "context_length_exceeded" if ("max_model_len" in msg or "context" in msg) else None
-        return APIError(400, msg, param="messages" if "template" in msg.lower() else None, code=code)
-    return APIError(500, f"{type(e).__name__}: {msg}")
+    logger.error("%s: the engine failed while adding the request", rid, exc_info=e)
+    return internal_error(rid)
+
+
+def _prompt_for_log(prompt: Prompt) -> Any:
+    """What the request log records as "prompt" (with --log-prompts)."""
+    if isinstance(prompt, TextPrompt):
+        return prompt.text
+    if isinstance(prompt, TokenPrompt):
+        return list(prompt.token_ids)
+    return list(prompt.messages)
 
 
 async def _parse(request: Request, chat: bool) -> protocol.CompletionRequest | protocol.ChatCompletionRequest:
@@ -114,12 +133,9 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
                            param="model", code="model_not_found")
         try:
             params = protocol.sampling_params(req)
-            prompt = (("chat", protocol.chat_messages(req), req.tools) if chat
-                      else (("text", p) if isinstance(p := protocol.completion_prompt(req), str) else ("ids", p)))
-        except protocol.RequestValueError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        except SamplingParamsError as e:
-            raise APIError(400, str(e), param=protocol.param_from_message(str(e))) from None
+            prompt = protocol.engine_prompt(req)
+        except InvalidRequestError as e:
+            raise _bad_request(e) from None
         requested = req.profile or request.headers.get(PROFILE_HEADER)
         try:
             choice = state.policy.choose(sticky_key=req.user or request.headers.get(SESSION_HEADER),
@@ -135,12 +151,11 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
         if state.max_queue is not None and state.engine.in_flight + n > state.max_num_seqs + state.max_queue:
             raise APIError(503, f"server is at capacity ({state.engine.in_flight} requests in flight); retry later",
                            code="queue_full", headers={"Retry-After": "1"})
-        children = [params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+        children = [params.for_choice(i) for i in range(n)]
         try:
-            prompt_ids, queue, child_ids = await state.engine.submit(rid, prompt, children, profile.spec_config,
-                                                                     arrival_time=t0)
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            raise _error_from_engine(e) from None
+            submitted = await state.engine.submit(rid, prompt, children, profile.spec_config, arrival_time=t0)
+        except Exception as e:  # noqa: BLE001 - mapped to a status by its type
+            raise _error_from_engine(rid, e) from None
     except APIError as e:
         status = "cancelled" if e.status == 499 else "error"
         record.update(status=status, http_status=e.status, error=e.message)
@@ -149,11 +164,10 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
         if profile is not None:
             e.headers.setdefault(PROFILE_HEADER, profile.name)
         raise
-    prompt_text = prompt[1] if state.request_log.log_prompts else None
-    gen = Generation(state, rid, chat, record, profile, prompt_ids, queue, child_ids, t0=t0,
+    gen = Generation(state, rid, chat, record, profile, submitted, t0=t0,
                      want_logprobs=params.logprobs is not None,
                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                     prompt_text=prompt_text)
+                     prompt_for_log=_prompt_for_log(prompt) if state.request_log.log_prompts else None)
     headers = {PROFILE_HEADER: profile.name, "x-request-id": rid}
     if req.stream:
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})

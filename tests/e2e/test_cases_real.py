@@ -421,10 +421,7 @@ def test_b15_streaming_deltas(smol, b15_base, method):
         assert sum(len(o.new_logprobs) for o in st.outputs) == len(st.final.token_ids)
         if "\ufffd" not in w.text:
             assert "\ufffd" not in joined and not any("\ufffd" in d for d in st.deltas)
-        acc = ""
-        for o in st.outputs:  # text only grows: no chunk re-sends or rewrites earlier text
-            acc += o.new_text
-            assert o.text.startswith(acc)
+        # outputs are deltas: the joined deltas equal BASE's text, so no chunk re-sent or rewrote earlier text
     assert sum(streams[f"b15-{i}"].final.spec_stats.num_accepted_tokens for i in range(3)) > 0
 
 

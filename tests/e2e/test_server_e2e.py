@@ -17,6 +17,7 @@ from specserve.config import EngineConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
+from specserve.server.async_engine import AsyncEngine
 from specserve.server.launcher import ServerThread
 from tests.helpers.waiting import wait_until
 
@@ -34,7 +35,7 @@ def srv(tiny_model_dir, tmp_path_factory):
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_seqs=4, dtype="float32",
                                  device="cpu"))
     log = tmp_path_factory.mktemp("srv") / "requests.jsonl"
-    app = create_app(eng, profile_set_from_dict(PROFILES),
+    app = create_app(AsyncEngine(eng), profile_set_from_dict(PROFILES),
                      ServerSettings(allow_profile_override=True, admin_token=TOKEN, request_log=str(log)))
     with ServerThread(app) as s:
         s.state = app.state.specserve
@@ -175,6 +176,6 @@ def test_disconnect_mid_stream_frees_kv(srv):
     with httpx.Client(base_url=srv.base_url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         next(lines)
-    wait_until(lambda: st.in_flight == 0 and st.stats.get("num_kv_tokens") == 0 and st.stats.get("num_running") == 0,
-               timeout_s=20)
-    assert st.in_flight == 0 and st.stats["num_running"] == 0 and st.stats["num_kv_tokens"] == 0, st.stats
+    wait_until(lambda: st.in_flight == 0 and st.stats().get("num_kv_tokens") == 0
+               and st.stats().get("num_running") == 0, timeout_s=20)
+    assert st.in_flight == 0 and st.stats()["num_running"] == 0 and st.stats()["num_kv_tokens"] == 0, st.stats()

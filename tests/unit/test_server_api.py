@@ -1,4 +1,5 @@
-"""The HTTP server over the model-free FakeEngine, driven by the official `openai` client.
+"""The HTTP server over the model-free fake engine (tests/helpers/fake_engine.py), driven by the official
+`openai` client.
 
 Fast (no torch model): response shapes, streaming == non-streaming, usage, n, logprobs, stop strings,
 profile naming, and the OpenAI-shaped errors with the server still serving afterwards.
@@ -11,18 +12,20 @@ import pytest
 
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
-from tests.helpers.fake_engine import FakeEngine
 from specserve.server.launcher import ServerThread
+from tests.helpers.fake_engine import fake_client
 
 PROFILES = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4},
-                         "suffix": {"method": "suffix", "num_speculative_tokens": 3}},
+                         # no global tree: a request's counters do not depend on the requests before it
+                         "suffix": {"method": "suffix", "num_speculative_tokens": 3,
+                                    "suffix_decoding_max_cached_requests": 0}},
             "weights": {"baseline": 1, "ngram_4": 1, "suffix": 1}}
 MODEL = "fake-model"
 
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(FakeEngine(max_model_len=128), profile_set_from_dict(PROFILES),
+    app = create_app(fake_client(max_model_len=128), profile_set_from_dict(PROFILES),
                      ServerSettings(allow_profile_override=True, max_body_bytes=64 * 1024))
     with ServerThread(app) as srv:
         yield srv
@@ -126,7 +129,8 @@ def test_logprobs_shapes_and_counts(client):
 
 def test_stop_string_streaming(client):
     base = client.completions.create(model=MODEL, prompt="stop test", max_tokens=30, temperature=0).choices[0].text
-    stop = base[10:13]
+    third_digit = [i for i, ch in enumerate(base) if ch.isdigit()][2]
+    stop = base[third_digit - 2: third_digit + 1]  # first occurs after ~20 tokens, while drafts are accepted
     kw = dict(model=MODEL, prompt="stop test", max_tokens=30, temperature=0, stop=[stop],
               extra_body={"profile": "ngram_4"})
     r = client.completions.create(**kw)

@@ -6,10 +6,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from specserve.inputs import ChatPrompt, InvalidRequestError, TextPrompt, TokenPrompt
 from specserve.metrics.prometheus import ServerMetrics
 from specserve.outputs import SpecStats, TokenLogprob
 from specserve.rollout.profiles import Profile, profile_set_from_dict
-from specserve.sampling_params import SamplingParamsError
 from specserve.server import formatting as fmt
 from specserve.server import protocol as P
 
@@ -25,6 +25,8 @@ def test_completion_defaults_and_mapping():
     assert P.completion_prompt(P.CompletionRequest(prompt=[1, 2])) == [1, 2]
     assert P.completion_prompt(P.CompletionRequest(prompt=[[1, 2]])) == [1, 2]
     assert P.completion_prompt(P.CompletionRequest(prompt=["x"])) == "x"
+    assert P.engine_prompt(r) == TextPrompt("hi")
+    assert P.engine_prompt(P.CompletionRequest(prompt=[[1, 2]])) == TokenPrompt((1, 2))
 
 
 def test_chat_mapping_and_logprobs():
@@ -34,6 +36,7 @@ def test_chat_mapping_and_logprobs():
     sp = P.sampling_params(r)
     assert sp.max_tokens == 7 and sp.logprobs == 4
     assert P.chat_messages(r) == [{"role": "user", "content": "ab"}]
+    assert P.engine_prompt(r) == ChatPrompt(({"role": "user", "content": "ab"},))
     assert P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])).max_tokens is None
     assert P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                                      logprobs=True)).logprobs == 0
@@ -50,15 +53,20 @@ def test_chat_mapping_and_logprobs():
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "logprobs": 30}, "logprobs"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_bad_values_name_their_param(body, param):
-    r = P.CompletionRequest.model_validate(body)
-    with pytest.raises((P.RequestValueError, SamplingParamsError)) as ei:
+    r = (P.ChatCompletionRequest if "messages" in body else P.CompletionRequest).model_validate(body)
+    with pytest.raises(InvalidRequestError) as ei:
         P.sampling_params(r)
-        P.completion_prompt(r)
-    e = ei.value
-    got = e.param if isinstance(e, P.RequestValueError) else P.param_from_message(str(e))
-    assert got == param
+        P.engine_prompt(r)
+    assert ei.value.param == param and param in str(ei.value)  # the message names the field the client sent
 
 
 def test_wrong_types_fail_validation_and_unknown_fields_ignored():
@@ -67,7 +75,7 @@ def test_wrong_types_fail_validation_and_unknown_fields_ignored():
         with pytest.raises(ValidationError):
             P.CompletionRequest.model_validate(body)
     assert P.CompletionRequest.model_validate({"prompt": "x", "whatever": {"a": 1}}).prompt == "x"
-    with pytest.raises(P.RequestValueError):
+    with pytest.raises(InvalidRequestError):
         P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2))
 
 

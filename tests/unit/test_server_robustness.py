@@ -1,31 +1,22 @@
-"""Server robustness over the FakeEngine: client disconnects free the engine request (and its KV),
+"""Server robustness over the model-free fake engine: client disconnects free the engine request (and its KV),
 a full queue answers 503 + Retry-After, oversized bodies 413, and the server keeps serving."""
 
 import json
 import socket
-import time
 
 import httpx
 import openai
 import pytest
 
 from specserve.server.api import ServerSettings, create_app
-from tests.helpers.fake_engine import FakeEngine
 from specserve.server.launcher import ServerThread
-
-
-def _wait(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from tests.helpers.fake_engine import ToyLM, fake_client, toy_logits
+from tests.helpers.waiting import wait_until
 
 
 @pytest.fixture()
 def slow(tmp_path):
-    eng = FakeEngine(step_delay_s=0.02, max_num_seqs=2, max_model_len=512)
+    eng = fake_client(lm=ToyLM(step_delay_s=0.02), max_num_seqs=2, max_model_len=512)
     app = create_app(eng, None, ServerSettings(request_log=str(tmp_path / "log.jsonl"), max_queue=1,
                                                max_body_bytes=2048))
     srv = ServerThread(app).start()
@@ -34,7 +25,7 @@ def slow(tmp_path):
 
 
 def _idle(state):
-    s = state.engine.stats
+    s = state.engine.stats()
     return state.engine.in_flight == 0 and s.get("num_running") == 0 and s.get("num_waiting") == 0 \
         and s.get("num_kv_tokens") == 0
 
@@ -51,9 +42,9 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(slow, chat):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(x.startswith("data: ") for x in got)
-            assert state.engine.stats.get("num_kv_tokens", 0) > 0
+            assert state.engine.stats().get("num_kv_tokens", 0) > 0
     # the response context closed the connection mid-stream
-    assert _wait(lambda: _idle(state)), state.engine.stats
+    assert wait_until(lambda: _idle(state)), state.engine.stats()
     recs = [json.loads(x) for x in log.read_text().splitlines()]
     assert recs[-1]["status"] == "cancelled" and recs[-1]["http_status"] == 499
     assert 0 < recs[-1]["completion_tokens"] < 400
@@ -66,7 +57,7 @@ def test_disconnect_non_streaming_aborts(slow):
     srv, state, log = slow
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 400}, timeout=0.3)
-    assert _wait(lambda: _idle(state)), state.engine.stats
+    assert wait_until(lambda: _idle(state)), state.engine.stats()
     assert json.loads(log.read_text().splitlines()[-1])["status"] == "cancelled"
 
 
@@ -83,7 +74,7 @@ def test_queue_full_503_retry_after_then_recovers(slow):
                 assert r.status_code == 200
                 if i < 2:
                     next(lines)
-            assert _wait(lambda: state.engine.in_flight == 3)
+            assert wait_until(lambda: state.engine.in_flight == 3)
             r = c.post("/v1/completions", json={"prompt": "overflow", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
@@ -92,7 +83,7 @@ def test_queue_full_503_retry_after_then_recovers(slow):
         finally:
             for s, _ in streams:
                 s.__exit__(None, None, None)
-        assert _wait(lambda: _idle(state))
+        assert wait_until(lambda: _idle(state))
         assert c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
@@ -116,20 +107,19 @@ def test_raw_socket_hangup_before_body(slow):
     s = socket.create_connection(("127.0.0.1", srv.port))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
     s.close()
-    assert _wait(lambda: not srv.server.server_state.connections), "the server should drop the half request"
+    assert wait_until(lambda: not srv.server.server_state.connections), "the server should drop the half request"
     assert httpx.get(srv.base_url + "/health").status_code == 200
     assert _idle(state)
 
 
-class _Exploding(FakeEngine):
-    def step(self):
-        if any(bytes(r.prompt[:4]) == b"boom" for r in self.running + self.waiting):
-            raise RuntimeError("kaboom")
-        return super().step()
+def _exploding(context):
+    if bytes(context[:4]) == b"boom":
+        raise RuntimeError("kaboom")
+    return toy_logits(context)
 
 
 def test_engine_failure_is_503_not_a_hang():
-    app = create_app(_Exploding(), None, ServerSettings())
+    app = create_app(fake_client(lm=ToyLM(_exploding)), None, ServerSettings())
     with ServerThread(app) as srv:
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "boom", "max_tokens": 3}, timeout=10)
         assert r.status_code == 503 and "kaboom" in r.json()["error"]["message"]

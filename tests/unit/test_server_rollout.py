@@ -1,10 +1,9 @@
-"""Profiles over HTTP (FakeEngine): admin API auth, weights, sticky users, rollback, overrides,
+"""Profiles over HTTP (the model-free fake engine): admin API auth, weights, sticky users, rollback, overrides,
 /metrics parity with the per-response numbers, and the request log."""
 
 import json
 import math
 import threading
-import time
 
 import httpx
 import openai
@@ -13,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
-from tests.helpers.fake_engine import FakeEngine
 from specserve.server.launcher import ServerThread
+from tests.helpers.fake_engine import ToyLM, fake_client
+from tests.helpers.waiting import wait_until
 
 PROFILES = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4},
                          "draftish": {"method": "suffix", "num_speculative_tokens": 2}},
@@ -25,7 +25,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 def _start(tmp_path, engine=None, **settings):
     settings.setdefault("admin_token", TOKEN)
-    app = create_app(engine or FakeEngine(), profile_set_from_dict(PROFILES),
+    app = create_app(engine or fake_client(), profile_set_from_dict(PROFILES),
                      ServerSettings(request_log=str(tmp_path / "req.jsonl"), policy_seed=0, **settings))
     return ServerThread(app).start()
 
@@ -42,7 +42,8 @@ def _profile(c, **kw):
 
 
 def test_admin_auth_weights_rollback(tmp_path):
-    srv = _start(tmp_path)
+    lm = ToyLM()
+    srv = _start(tmp_path, fake_client(lm=lm))
     try:
         u = srv.base_url
         assert httpx.get(u + "/admin/profiles").status_code == 401
@@ -65,11 +66,10 @@ def test_admin_auth_weights_rollback(tmp_path):
         def long_request():
             box["r"] = c.completions.create(model="fake-model", prompt="long", max_tokens=120, temperature=0)
 
-        srv.server.config.app.state.specserve.engine.engine.step_delay_s = 0.01
+        lm.step_delay_s = 0.01
         t = threading.Thread(target=long_request)
         t.start()
-        while srv.server.config.app.state.specserve.engine.in_flight == 0:
-            time.sleep(0.005)
+        assert wait_until(lambda: srv.server.config.app.state.specserve.engine.in_flight > 0)
         assert httpx.post(u + "/admin/rollback", headers=AUTH).json()["rolled_back"]
         assert _profile(c) == "baseline"  # the very next request
         t.join(30)
