@@ -1,0 +1,156 @@
+"""The model runner on CUDA: fused forward, CUDA graphs captured at start-up, eager for the rest.
+
+What it does: the same job and interface as `ModelRunner` (`forward(seqs) -> logits`, KV lengths
+extended), on a CUDA device. At construction it captures one CUDA graph of `FusedForward` per shape
+bucket (`step_buckets.BucketSet`: token count x sequence count), all sharing one memory pool and one set
+of static input/output buffers. A step that fits a bucket (decodes, verify blocks, short prefill
+chunks, the draft model's steps) is packed into the bucket's padded layout on the host, copied to the
+device in one transfer, and replayed; a step outside every bucket (long prefill chunks) runs the same
+fused forward eagerly. Nothing is compiled or planned per shape after start-up: every kernel reads the
+step's shape from device tensors, so the first time a shape is seen costs what the hundredth does.
+The logits returned for a graph step are a view of the static output buffer, valid until the next
+forward of this runner.
+What it does not do: schedule, sample or roll back (the engine truncates the KV cache after verification).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.model_runner import SeqInput
+from specserve.engine.step_buckets import Bucket, BucketSet, StepLayout, pack_step
+from specserve.model.fused_forward import FusedForward, StepTensors
+from specserve.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class CudaGraphRunner:
+    """`forward(seqs)` -> float32 logits [sum(num_logits), vocab], like `ModelRunner`, on CUDA.
+
+    Args:
+        model: the loaded `CausalLM` (on `device`); kv: its `KVCache`.
+        max_num_seqs: most sequences in one step (sizes the graph buckets).
+        batch_invariant: every matmul in fixed reduction order (`FusedForward`); a verify block's logits
+            are then bit-identical to one-token decodes.
+        cuda_graphs: capture graphs (False: every step eager, e.g. to debug or compare).
+        max_qlen: most new tokens of one sequence in a graph step (1 + largest k); longer ones run eagerly.
+        max_graph_tokens: most tokens of a graph step.
+
+    Attributes:
+        capture_seconds: time the start-up capture took; num_graph_steps / num_eager_steps: counters.
+    """
+
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, max_num_seqs: int,
+                 batch_invariant: bool = False, cuda_graphs: bool = True, max_qlen: int = 16,
+                 max_graph_tokens: int = 512):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.fwd = FusedForward(model, batch_invariant)
+        self.buckets = BucketSet(max_num_seqs, max_qlen, min(max_graph_tokens, max_num_seqs * max_qlen))
+        self.layout = StepLayout(self.buckets.max_tokens, self.buckets.max_seqs)
+        self._host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied = [torch.cuda.Event() for _ in range(2)]  # set when a host buffer's copy has run
+        self._flip = 0
+        self._dev = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        vocab = model.config.vocab_size
+        self._out = torch.empty((self.layout.max_tokens, vocab), dtype=torch.float32, device=device)
+        self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        self.capture_seconds = 0.0
+        if cuda_graphs:
+            self._capture_all()
+
+    def _static_step(self, b: Bucket) -> StepTensors:
+        f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
+        return StepTensors(f("input_ids", b.num_tokens), f("positions", b.num_tokens), f("token_slots", b.num_tokens),
+                           f("logits_rows", b.num_tokens), f("seq_qstart", b.num_seqs), f("seq_qlen", b.num_seqs),
+                           f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs), self.buckets.max_qlen)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        # Capture with an all-padding step (no KV writes, no attention work): graphs record kernels, not data.
+        h = self._host_np[0]
+        for name in StepLayout.TOKEN_FIELDS + StepLayout.SEQ_FIELDS:
+            self.layout.field(h, name, self.layout.max_tokens if name in StepLayout.TOKEN_FIELDS else self.layout.max_seqs)[:] = 0
+        self.layout.field(h, "token_slots", self.layout.max_tokens)[:] = -1
+        self.layout.field(h, "seq_qlen", self.layout.max_seqs)[:] = 0
+        self._dev.copy_(self._host[0])
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for b in sorted(self.buckets.buckets, reverse=True):  # largest first: the pool is sized once
+            step = self._static_step(b)
+            out = self._out[: b.num_tokens]
+            with torch.cuda.stream(stream):
+                self.fwd(step, self.kv, out=out)  # warm-up: compiles kernels, sets up cuBLAS for this shape
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                self.fwd(step, self.kv, out=out)
+            self._graphs[b] = g
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), self.capture_seconds)
+
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run the model once over all `seqs` and extend each slot's valid length.
+
+        Returns:
+            logits [R, vocab] with R = sum(s.num_logits), rows in `seqs` order (for a graph step a view of
+            the static output buffer, overwritten by the next forward).
+
+        Raises:
+            RuntimeError: a sequence's start is not its slot's KV length.
+        """
+        lengths = self.kv.lengths
+        for s in seqs:
+            if lengths[s.slot] != s.start:
+                raise RuntimeError(f"slot {s.slot}: KV length {lengths[s.slot]} != step start {s.start}")
+        qmax = max(len(s.token_ids) for s in seqs)
+        T = sum(len(s.token_ids) for s in seqs)
+        bucket = self.buckets.pick(len(seqs), T, qmax) if self._graphs else None
+        if bucket is not None:
+            logits = self._replay(seqs, bucket)
+        else:
+            logits = self._eager(seqs, T, qmax)
+        for s in seqs:
+            self.kv.extend(s.slot, s.start + len(s.token_ids))
+        return logits
+
+    def _pack(self, buf: np.ndarray, layout: StepLayout, seqs: list[SeqInput], num_tokens: int, num_seqs: int) -> int:
+        return pack_step(buf, layout, [s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
+                         [s.num_logits for s in seqs], num_tokens, num_seqs)
+
+    def _replay(self, seqs: list[SeqInput], bucket: Bucket) -> torch.Tensor:
+        self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight
+        i = self._flip
+        self._copied[i].synchronize()  # returns at once unless the host ran two steps ahead of the GPU
+        R = self._pack(self._host_np[i], self.layout, seqs, bucket.num_tokens, bucket.num_seqs)
+        self._dev.copy_(self._host[i], non_blocking=True)
+        self._copied[i].record()
+        self._graphs[bucket].replay()
+        self.num_graph_steps += 1
+        return self._out[:R]
+
+    def _eager(self, seqs: list[SeqInput], T: int, qmax: int) -> torch.Tensor:
+        layout = StepLayout(T, len(seqs))
+        host = np.empty(layout.size, dtype=np.int32)
+        self._pack(host, layout, seqs, T, len(seqs))
+        dev = torch.from_numpy(host).to(self.device, non_blocking=False)
+        f = lambda name, n: layout.field(dev, name, n)  # noqa: E731
+        R = sum(s.num_logits for s in seqs)
+        step = StepTensors(f("input_ids", T), f("positions", T), f("token_slots", T), f("logits_rows", R),
+                           f("seq_qstart", len(seqs)), f("seq_qlen", len(seqs)), f("seq_ctx", len(seqs)),
+                           f("seq_slot", len(seqs)), qmax)
+        self.num_eager_steps += 1
+        return self.fwd(step, self.kv)
