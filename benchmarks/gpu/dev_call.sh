@@ -23,7 +23,7 @@ timeout "${DEV_TIMEOUT:-250}" python3 benchmarks/gpu/dev_check.py --config-0_5b 
   --tokenizer "$DATA/tok" --out "$OUT" --models "${MODELS:-0.5b,1.5b}" > "$OUT/dev_check.log" 2>&1
 grep -v "^\(0.5b\|1.5b\) {" "$OUT/dev_check.log" | tail -30
 stamp "bench smoke"
-if [ -d /tmp/devcheck/1.5b ] && [ -d /tmp/devcheck/0.5b ]; then
+if [ -n "$RUN_SMOKE" ] && [ -d /tmp/devcheck/1.5b ] && [ -d /tmp/devcheck/0.5b ]; then
   timeout "${SMOKE_TIMEOUT:-110}" python3 benchmarks/gpu/bench_gpu.py run --prompts "$DATA/prompts_smoke.json" \
     --model /tmp/devcheck/1.5b:/tmp/devcheck/0.5b --hf-prompts 1 --hf-max-tokens 16 --c16-requests 16 \
     --out "$OUT/bench_smoke.json" > "$OUT/bench_smoke.log" 2>&1

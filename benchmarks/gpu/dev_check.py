@@ -64,6 +64,29 @@ def random_folder(cfg: dict, tokenizer: Path, dst: Path) -> Path:
     return dst
 
 
+def profile_step(runner, seqs, reset, steps: int = 10) -> dict:
+    """GPU time per kernel name (us per step) and kernel count per step, eager fused forward (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        runner.forward(seqs)
+        reset()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.forward(seqs)
+            reset()
+        torch.cuda.synchronize()
+    by, count = {}, 0
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and "Memcpy" not in e.name and "Memset" not in e.name:
+            key = e.name[:60]
+            by[key] = by.get(key, 0.0) + e.device_time / steps
+            count += 1
+    top = dict(sorted(by.items(), key=lambda kv: -kv[1])[:14])
+    return {"kernels_per_step": count / steps, "gpu_us_per_step": sum(by.values()), "top_us": top}
+
+
 def step_benchmarks(folder: Path, ctx: int = 500) -> dict:
     from specserve.engine.cuda_graph_runner import CudaGraphRunner
     from specserve.engine.kv_cache import KVCache
@@ -74,64 +97,85 @@ def step_benchmarks(folder: Path, ctx: int = 500) -> dict:
 
     cfg = ModelConfig.from_folder(folder)
     model = load_model(folder, cfg, torch.bfloat16, torch.device("cuda"), 4096)
-    mk = lambda: KVCache(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, 4096, torch.bfloat16, torch.device("cuda"))  # noqa: E731
-    out = {}
-    kv = mk()
+    kv = KVCache(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, 4096, torch.bfloat16, torch.device("cuda"))
+    slots = [kv.allocate() for _ in range(16)]
     eager = ModelRunner(model, kv, torch.device("cuda"))
-    s = kv.allocate()
-    eager.forward([SeqInput(s, 0, list(range(ctx)), 1)])
+    for sl in slots:
+        eager.forward([SeqInput(sl, 0, list(range(2000)), 1)])  # K/V of 2000 positions in every slot
 
-    def eager_step():
-        eager.forward([SeqInput(s, ctx, [5], 1)])
-        kv.truncate(s, ctx)
-    out["eager_model_decode_ms"] = cuda_time(eager_step, iters=10, warmup=2)
-    res = {}
-    for inv in (False, True):
-        t0 = time.perf_counter()
-        r = CudaGraphRunner(model, mk(), torch.device("cuda"), 16, batch_invariant=inv)
-        res[f"capture_s_{'inv' if inv else 'default'}"] = time.perf_counter() - t0
-        slots = [r.kv.allocate() for _ in range(16)]
+    def at(n):
         for sl in slots:
-            r.forward([SeqInput(sl, 0, list(range(ctx)), 1)])
-        for B, q in [(1, 1), (1, 2), (1, 4), (1, 6), (1, 8), (1, 16), (4, 8), (16, 1), (16, 2), (16, 4), (16, 6),
-                     (16, 8)]:
-            seqs = [SeqInput(sl, ctx, [7] * q, q) for sl in slots[:B]]
+            kv.truncate(sl, n)
+    out = {}
+    at(ctx)
+    out["eager_model_decode_ms"] = cuda_time(lambda: (eager.forward([SeqInput(slots[0], ctx, [5], 1)]), at(ctx)),
+                                             iters=10, warmup=2)
 
-            def step():
-                r.forward(seqs)
-                for sl in slots[:B]:
-                    r.kv.truncate(sl, ctx)
-            res[f"{'inv' if inv else 'graph'}_B{B}_q{q}_ms"] = cuda_time(step, iters=30)
-            if not inv and B in (1, 16) and q in (1, 6):  # host time of one forward call, no sync
-                t = time.perf_counter()
-                for _ in range(50):
-                    step()
-                res[f"host_B{B}_q{q}_ms"] = (time.perf_counter() - t) / 50 * 1e3
-                torch.cuda.synchronize()
-        if not inv:  # the fused forward without graphs
-            r2 = CudaGraphRunner(model, r.kv, torch.device("cuda"), 16, cuda_graphs=False)
+    def bench(r, shapes, key, n_ctx=ctx):
+        for B, q in shapes:
+            seqs = [SeqInput(sl, n_ctx, [7] * q, q) for sl in slots[:B]]
+            at(n_ctx)
+            out[f"{key}_B{B}_q{q}" + ("" if n_ctx == ctx else f"_L{n_ctx}") + "_ms"] = cuda_time(
+                lambda: (r.forward(seqs), at(n_ctx)), iters=30)
 
-            def fused_eager():
-                r2.forward([SeqInput(slots[0], ctx, [5], 1)])
-                r2.kv.truncate(slots[0], ctx)
-            res["fused_eager_decode_ms"] = cuda_time(fused_eager, iters=10)
-            # attention alone
-            H, D = cfg.num_heads, cfg.head_dim
-            for B, q, L in [(1, 1, 256), (1, 1, 1024), (1, 1, 4000), (1, 6, 1024), (16, 1, 1024), (16, 6, 1024)]:
-                qq = torch.randn(B * q, H, D, device="cuda", dtype=torch.bfloat16)
-                i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
-                meta = (i32([b * q for b in range(B)]), i32([q] * B), i32([L - q] * B), i32(slots[:B]))
-                res[f"attn_B{B}_q{q}_L{L}_us"] = 1e3 * cuda_time(
-                    lambda: ops.cached_attention(qq, r.kv.k[0], r.kv.v[0], *meta, max_qlen=16, scale=D**-0.5), iters=50)
-        r = None  # free the graphs before the next runner
-        torch.cuda.empty_cache()
-    out.update(res)
-    del model
+    shapes = [(1, 1), (1, 2), (1, 4), (1, 6), (1, 8), (1, 16), (4, 8), (16, 1), (16, 2), (16, 4), (16, 6), (16, 8)]
+    # attention split variants (keys per split; 0 = one pass), captured into the whole forward
+    default_split = ops.ATTENTION_SPLIT
+    for split in (0, 64, 128, 256):
+        ops.ATTENTION_SPLIT = split
+        t0 = time.perf_counter()
+        r = CudaGraphRunner(model, kv, torch.device("cuda"), 16)
+        out[f"capture_s_split{split}"] = time.perf_counter() - t0
+        bench(r, shapes if split == default_split else [(1, 1), (1, 6), (16, 1), (16, 6)], f"split{split}")
+        bench(r, [(1, 1), (16, 6)], f"split{split}", n_ctx=1900)
+        r = None
+    ops.ATTENTION_SPLIT = default_split
+    # leave one stage out (timing only: the output is wrong), to place the in-graph time
+    real = {n: getattr(ops, n) for n in ("cached_attention", "rope_and_cache", "silu_mul", "rms_norm")}
+    fakes = {
+        "cached_attention": lambda q, *a, **k: q.view(q.shape[0], -1),
+        "rope_and_cache": lambda qkv, H, Hkv, D, *a, **k: qkv[:, : H * D].unflatten(1, (H, D)),
+        "silu_mul": lambda x: x[:, : x.shape[1] // 2],
+        "rms_norm": lambda x, w, eps, residual=None, rows=None: (
+            (x, x) if rows is None else (x.index_select(0, rows), x.index_select(0, rows))),
+    }
+    for name, fake in fakes.items():
+        setattr(ops, name, fake)
+        r = CudaGraphRunner(model, kv, torch.device("cuda"), 16)
+        bench(r, [(1, 1), (16, 6)], f"no_{name}")
+        setattr(ops, name, real[name])
+        r = None
+    # batch-invariant mode
+    t0 = time.perf_counter()
+    r = CudaGraphRunner(model, kv, torch.device("cuda"), 16, batch_invariant=True)
+    out["capture_s_inv"] = time.perf_counter() - t0
+    bench(r, shapes, "inv")
+    r = None
+    # the fused forward without graphs, its profile, and the host time of one graph forward
+    r = CudaGraphRunner(model, kv, torch.device("cuda"), 16, cuda_graphs=False)
+    at(ctx)
+    out["fused_eager_decode_ms"] = cuda_time(lambda: (r.forward([SeqInput(slots[0], ctx, [5], 1)]), at(ctx)), iters=10)
+    for B, q in ((1, 1), (16, 6)):
+        out[f"profile_B{B}_q{q}"] = profile_step(r, [SeqInput(sl, ctx, [7] * q, q) for sl in slots[:B]],
+                                                 lambda: at(ctx))
+    r = CudaGraphRunner(model, kv, torch.device("cuda"), 16)
+    for B, q in ((1, 1), (1, 6), (16, 6)):
+        seqs = [SeqInput(sl, ctx, [7] * q, q) for sl in slots[:B]]
+        ts = []
+        for _ in range(30):
+            at(ctx)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r.forward(seqs)
+            ts.append(time.perf_counter() - t)
+        out[f"host_B{B}_q{q}_ms"] = 1e3 * sorted(ts)[15]
+    r = None
+    model = kv = eager = None
     torch.cuda.empty_cache()
     return out
 
 
-def engine_benchmarks(folder: Path) -> dict:
+def engine_benchmarks(folder: Path, draft: Path | None = None) -> dict:
     from specserve import LLM, SamplingParams
     from specserve.config import SpeculativeConfig
 
@@ -152,6 +196,13 @@ def engine_benchmarks(folder: Path) -> dict:
         outs = llm.generate([prompt] * 16, SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True),
                             speculative_config=cfg)
         out[f"c16_{name}_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+    if draft is not None:  # random weights accept ~nothing: this times one step = k draft forwards + 1 verify
+        for k in (1, 4):
+            cfg = SpeculativeConfig("draft_model", k, model=str(draft))
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), speculative_config=cfg)
+            o = llm.generate([prompt], p, speculative_config=cfg)[0].outputs[0]
+            out[f"draft_k{k}_ms_per_step"] = 1e3 * (o.metrics["finished"] - o.metrics["first_token"]) / max(1, o.num_drafts)
+            out[f"draft_k{k}_acc_len"] = o.mean_acceptance_length
     r = llm.engine.target.runner
     out["graph_steps"], out["eager_steps"], out["capture_s"] = r.num_graph_steps, r.num_eager_steps, r.capture_seconds
     return out
@@ -178,23 +229,28 @@ def main() -> None:
         r = res[name] = {"make_folder_s": time.perf_counter() - t0}
         r.update(step_benchmarks(folder))
         print(name, json.dumps(r), flush=True)
-        r.update(engine_benchmarks(folder))
+        r.update(engine_benchmarks(folder, Path(args.work) / "0.5b" if name == "1.5b" else None))
         print(name, json.dumps(r), flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "dev_check.json").write_text(json.dumps(res, indent=1))
     for name in args.models.split(","):
         r = res[name]
         print(f"\n== {name} (random weights, bf16, context 500)")
-        print(f"decode step ms: eager model {r['eager_model_decode_ms']:.2f}, fused eager {r['fused_eager_decode_ms']:.2f}, "
-              f"graph {r['graph_B1_q1_ms']:.3f}, batch-invariant graph {r['inv_B1_q1_ms']:.3f}")
-        print("graph ms by B x q: " + ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in r.items() if k.startswith("graph_B")))
-        print("invariant ms:      " + ", ".join(f"{k[4:-3]} {v:.3f}" for k, v in r.items() if k.startswith("inv_B")))
-        print("attention us: " + ", ".join(f"{k[5:-3]} {v:.1f}" for k, v in r.items() if k.startswith("attn_")))
+        print(f"decode step ms: eager model {r['eager_model_decode_ms']:.2f}, fused eager {r['fused_eager_decode_ms']:.2f}")
+        for pre in ("split0", "split64", "split128", "split256", "inv", "no_cached_attention", "no_rope_and_cache",
+                    "no_silu_mul", "no_rms_norm"):
+            print(f"{pre:>20}: " + ", ".join(f"{k[len(pre) + 1:-3]} {v:.3f}" for k, v in r.items()
+                                             if k.startswith(pre + "_B")))
         print("host ms/forward: " + ", ".join(f"{k[5:-3]} {v:.3f}" for k, v in r.items() if k.startswith("host_")))
+        for key in ("profile_B1_q1", "profile_B16_q6"):
+            pr = r[key]
+            print(f"{key}: {pr['kernels_per_step']:.0f} kernels, {pr['gpu_us_per_step']:.0f} us GPU; " + "; ".join(
+                f"{n} {v:.0f}" for n, v in pr["top_us"].items()))
         print(f"engine: b1 baseline {r['b1_baseline_tok_s_1']:.0f} tok/s (first {r['b1_baseline_tok_s_0']:.0f}), "
               f"b1 ngram {r['b1_ngram_tok_s_1']:.0f} (acc.len {r['b1_ngram_acc_len'] or 0:.2f}), c16 baseline "
               f"{r['c16_baseline_tok_s']:.0f}, c16 ngram {r['c16_ngram_tok_s']:.0f}; capture {r['capture_s']:.1f} s, "
-              f"load {r['engine_load_s']:.1f} s; graph/eager steps {r['graph_steps']}/{r['eager_steps']}")
+              f"load {r['engine_load_s']:.1f} s; graph/eager steps {r['graph_steps']}/{r['eager_steps']}; " +
+              ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k.startswith("draft_")))
 
 
 if __name__ == "__main__":

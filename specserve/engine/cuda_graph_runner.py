@@ -25,6 +25,7 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import SeqInput
 from specserve.engine.step_buckets import Bucket, BucketSet, StepLayout, pack_step
 from specserve.model.fused_forward import FusedForward, StepTensors
+from specserve.model.triton_ops import SPLIT_MAX_QLEN
 from specserve.model.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class CudaGraphRunner:
     """
 
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, max_num_seqs: int,
-                 batch_invariant: bool = False, cuda_graphs: bool = True, max_qlen: int = 16,
+                 batch_invariant: bool = False, cuda_graphs: bool = True, max_qlen: int = SPLIT_MAX_QLEN,
                  max_graph_tokens: int = 512):
         self.model = model
         self.kv = kv
@@ -73,7 +74,7 @@ class CudaGraphRunner:
         f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
         return StepTensors(f("input_ids", b.num_tokens), f("positions", b.num_tokens), f("token_slots", b.num_tokens),
                            f("logits_rows", b.num_tokens), f("seq_qstart", b.num_seqs), f("seq_qlen", b.num_seqs),
-                           f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs), self.buckets.max_qlen)
+                           f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs), min(b.num_tokens, self.buckets.max_qlen))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -151,6 +152,7 @@ class CudaGraphRunner:
         R = sum(s.num_logits for s in seqs)
         step = StepTensors(f("input_ids", T), f("positions", T), f("token_slots", T), f("logits_rows", R),
                            f("seq_qstart", len(seqs)), f("seq_qlen", len(seqs)), f("seq_ctx", len(seqs)),
-                           f("seq_slot", len(seqs)), qmax)
+                           f("seq_slot", len(seqs)), qmax,
+                           has_short=any(len(s.token_ids) <= SPLIT_MAX_QLEN for s in seqs))
         self.num_eager_steps += 1
         return self.fwd(step, self.kv)

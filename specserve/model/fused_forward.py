@@ -33,6 +33,7 @@ class StepTensors:
         seq_qstart, seq_qlen, seq_ctx, seq_slot: [B] per sequence: first token row, number of new tokens
             (0 = padding sequence), KV length before the step (= position of its first new token), slot.
         max_qlen: host-side upper bound on seq_qlen (sets the attention grid).
+        has_short: some sequence may have <= triton_ops.SPLIT_MAX_QLEN new tokens (decode / verify rows).
     """
 
     input_ids: torch.Tensor
@@ -44,6 +45,7 @@ class StepTensors:
     seq_ctx: torch.Tensor
     seq_slot: torch.Tensor
     max_qlen: int
+    has_short: bool = True
 
 
 class FusedForward:
@@ -107,7 +109,7 @@ class FusedForward:
             q = ops.rope_and_cache(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin,
                                    step.positions, step.token_slots, kv.k[i], kv.v[i], qn, kn, eps)
             a = ops.cached_attention(q, kv.k[i], kv.v[i], step.seq_qstart, step.seq_qlen, step.seq_ctx,
-                                     step.seq_slot, step.max_qlen, self.scale)
+                                     step.seq_slot, step.max_qlen, self.scale, has_short=step.has_short)
             h = self.linear(a, w_o)
             x, res = ops.rms_norm(h, ln2, eps, res)
             h = self.linear(ops.silu_mul(self.linear(x, w_gu)), w_down)

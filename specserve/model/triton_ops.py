@@ -124,9 +124,9 @@ def _rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, si
         k = tl.load(kb + g * D + d[None, :], mask=gm, other=0.0).to(tl.float32)
         k_r = tl.load(kb + g * D + d_rot[None, :], mask=gm, other=0.0).to(tl.float32)
         if HAS_QK_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) / D + eps)[:, None]
-            k = (k * rstd).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(kn_ptr + d)[None, :].to(tl.float32)
-            k_r = (k_r * rstd).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(kn_ptr + d_rot)[None, :].to(tl.float32)
+            rstd_k = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) / D + eps)[:, None]
+            k = (k * rstd_k).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(kn_ptr + d)[None, :].to(tl.float32)
+            k_r = (k_r * rstd_k).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(kn_ptr + d_rot)[None, :].to(tl.float32)
             k = k.to(q_out_ptr.dtype.element_ty).to(tl.float32)
             k_r = k_r.to(q_out_ptr.dtype.element_ty).to(tl.float32)
         k = k * cos + sign[None, :] * k_r * sin
@@ -192,18 +192,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, po_ptr, pml_ptr,
                       seq_qstart_ptr, seq_qlen_ptr, seq_ctx_ptr, seq_slot_ptr, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_cl,
+                      stride_ps, stride_pt, stride_ms, stride_mt,
                       G: tl.constexpr, G_P2: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, QLIMIT: tl.constexpr,
+                      IEEE: tl.constexpr):
+    # SPLIT == 0: one program per (sequence, KV head, query tile) covers every key and writes the output;
+    # only sequences with more than QLIMIT new tokens (prefill chunks). SPLIT > 0: program (.., qb * NSPLIT
+    # + sp) covers keys [sp * SPLIT, (sp + 1) * SPLIT) and writes an unnormalized partial (flash-decoding,
+    # Dao et al. 2023); only sequences with at most QLIMIT new tokens. Split boundaries are fixed key
+    # positions, so a row's reduction order does not depend on the other rows of its step.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    qb = tl.program_id(2)
+    if SPLIT > 0:
+        qb = tl.program_id(2) // NSPLIT
+        sp = tl.program_id(2) % NSPLIT
+    else:
+        qb = tl.program_id(2)
+        sp = 0
     qlen = tl.load(seq_qlen_ptr + b)
-    if qb * BQ < qlen:
+    ctx = tl.load(seq_ctx_ptr + b)
+    kv_end = ctx + tl.minimum(qb * BQ + BQ, qlen)  # keys [0, kv_end) are needed by this tile
+    if SPLIT > 0:
+        go = (qlen <= QLIMIT) & (sp * SPLIT < kv_end)
+        k_lo = sp * SPLIT
+        k_hi = tl.minimum(k_lo + SPLIT, kv_end)
+    else:
+        go = qlen > QLIMIT
+        k_lo = 0
+        k_hi = kv_end
+    if go & (qb * BQ < qlen):
         qstart = tl.load(seq_qstart_ptr + b).to(tl.int64)
-        ctx = tl.load(seq_ctx_ptr + b)
         slot = tl.load(seq_slot_ptr + b).to(tl.int64)
         # rows of the tile: BQ query tokens x G_P2 heads of this KV head's group
         r = tl.arange(0, BQ * G_P2)
@@ -215,21 +236,22 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
         q = tl.load(q_ptr + (qstart + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=valid[:, None], other=0.0)
         qpos = ctx + tok
-        kv_end = ctx + tl.minimum(qb * BQ + BQ, qlen)  # keys [0, kv_end) are needed by this tile
         base = slot * stride_cs + kvh * stride_ch
         m_i = tl.full([BQ * G_P2], float("-inf"), tl.float32)
         l_i = tl.zeros([BQ * G_P2], tl.float32)
         acc = tl.zeros([BQ * G_P2, D], tl.float32)
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(k_lo, k_hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            nm = n < kv_end
+            nm = n < k_hi
             k = tl.load(k_cache_ptr + base + n[:, None] * stride_cl + d[None, :], mask=nm[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(n[None, :] <= qpos[:, None], s * scale_log2, float("-inf"))
+            s = tl.where((n[None, :] <= qpos[:, None]) & nm[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            if SPLIT > 0:  # a row can have no key in this split yet: keep its partial at m=-inf, l=0
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -239,9 +261,61 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + (qstart + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+        rows = (qstart + tok)[:, None]
+        if SPLIT > 0:
+            tl.store(po_ptr + sp * stride_ps + rows * stride_pt + head[:, None] * D + d[None, :], acc,
+                     mask=valid[:, None])
+            ml = pml_ptr + sp * stride_ms + (qstart + tok) * stride_mt + head * 2
+            tl.store(ml, m_i, mask=valid)
+            tl.store(ml + 1, l_i, mask=valid)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + rows * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _combine_kernel(o_ptr, po_ptr, pml_ptr, seq_qstart_ptr, seq_qlen_ptr, seq_ctx_ptr,
+                    stride_ot, stride_ps, stride_pt, stride_ms, stride_mt,
+                    G: tl.constexpr, G_P2: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
+                    SPLIT: tl.constexpr, QLIMIT: tl.constexpr):
+    # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the row's splits, in ascending s.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    qb = tl.program_id(2)
+    qlen = tl.load(seq_qlen_ptr + b)
+    if (qlen <= QLIMIT) & (qb * BQ < qlen):
+        qstart = tl.load(seq_qstart_ptr + b).to(tl.int64)
+        ctx = tl.load(seq_ctx_ptr + b)
+        r = tl.arange(0, BQ * G_P2)
+        tok = qb * BQ + r // G_P2
+        g = r % G_P2
+        valid = (tok < qlen) & (g < G)
+        head = kvh * G + g
+        d = tl.arange(0, D)
+        n_row = (ctx + tok) // SPLIT + 1  # splits holding keys <= the row's position
+        n_max = (ctx + tl.minimum(qb * BQ + BQ, qlen) - 1) // SPLIT + 1
+        ml = pml_ptr + (qstart + tok) * stride_mt + head * 2
+        m = tl.full([BQ * G_P2], float("-inf"), tl.float32)
+        for sp in range(0, n_max):
+            m = tl.maximum(m, tl.load(ml + sp * stride_ms, mask=valid & (sp < n_row), other=float("-inf")))
+        m = tl.where(valid, m, 0.0)
+        acc = tl.zeros([BQ * G_P2, D], tl.float32)
+        l = tl.zeros([BQ * G_P2], tl.float32)
+        rows = (qstart + tok)[:, None]
+        for sp in range(0, n_max):
+            use = valid & (sp < n_row)
+            w = tl.exp2(tl.load(ml + sp * stride_ms, mask=use, other=float("-inf")) - m)
+            l += w * tl.load(ml + sp * stride_ms + 1, mask=use, other=0.0)
+            acc += w[:, None] * tl.load(po_ptr + sp * stride_ps + rows * stride_pt + head[:, None] * D + d[None, :],
+                                        mask=use[:, None], other=0.0)
+        out = acc / tl.where(valid, l, 1.0)[:, None]
+        tl.store(o_ptr + rows * stride_ot + head[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=valid[:, None])
+
+
+ATTENTION_SPLIT = 128  # keys per split for decode / verify rows (flash-decoding); fixed, see _attention_kernel
+SPLIT_MAX_QLEN = 16  # sequences with at most this many new tokens take the split path
 
 
 def attention_tile(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
@@ -252,12 +326,15 @@ def attention_tile(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_qstart: torch.Tensor,
                      seq_qlen: torch.Tensor, seq_ctx: torch.Tensor, seq_slot: torch.Tensor, max_qlen: int,
-                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, out: torch.Tensor | None = None, has_short: bool = True,
+                     split: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens over the slot KV cache (their own K/V already written).
 
     Sequence b's new tokens are q rows [seq_qstart[b], seq_qstart[b] + seq_qlen[b]) at positions
     seq_ctx[b], seq_ctx[b] + 1, ...; each attends to its slot's keys at positions <= its own. A sequence
-    with seq_qlen 0 (padding) is skipped, and so are its output rows.
+    with seq_qlen 0 (padding) is skipped, and so are its output rows. Sequences with at most
+    SPLIT_MAX_QLEN new tokens (decodes, verify blocks) are split over fixed key ranges of `split` keys
+    and combined in a second kernel; longer ones (prefill chunks) run one pass per query tile.
 
     Args:
         q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, max_len, D].
@@ -265,22 +342,38 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_qlen: an upper bound on seq_qlen (sets the grid only).
         scale: softmax scale (head_dim ** -0.5).
         out: optional [T, H * D] output buffer.
+        has_short: some sequence may have <= SPLIT_MAX_QLEN new tokens (False skips the split kernels).
+        split: keys per split (default ATTENTION_SPLIT; 0 = one pass for every sequence).
 
     Returns:
         [T, H * D] attention output (rows of padding tokens are left unwritten).
     """
     T, H, D = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
     g_p2, bq = attention_tile(H, Hkv)
+    split = ATTENTION_SPLIT if split is None else split
+    qlimit = SPLIT_MAX_QLEN if split else -1
     if out is None:
         out = torch.empty((T, H * D), dtype=q.dtype, device=q.device)
     B = seq_qlen.shape[0]
-    grid = (B, Hkv, triton.cdiv(max(1, max_qlen), bq))
-    _attention_kernel[grid](q, k_cache, v_cache, out, seq_qstart, seq_qlen, seq_ctx, seq_slot,
-                            scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), D,
-                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                            G=H // Hkv, G_P2=g_p2, BQ=bq, D=D, BLOCK_N=64, IEEE=q.dtype == torch.float32,
-                            num_warps=4, num_stages=2)
+    common = dict(G=H // Hkv, G_P2=g_p2, BQ=bq, D=D, BLOCK_N=64, QLIMIT=qlimit, IEEE=q.dtype == torch.float32,
+                  num_warps=4, num_stages=2)
+    meta = (seq_qstart, seq_qlen, seq_ctx, seq_slot, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), D,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    if max_qlen > qlimit:  # prefill chunks: one pass
+        _attention_kernel[(B, Hkv, triton.cdiv(max(1, max_qlen), bq))](
+            q, k_cache, v_cache, out, out, out, *meta, 0, 0, 0, 0, SPLIT=0, NSPLIT=1, **common)
+    if split and has_short:
+        nsplit = triton.cdiv(L, split)
+        nqb = triton.cdiv(max(1, min(max_qlen, qlimit)), bq)
+        po = torch.empty((nsplit, T, H * D), dtype=torch.float32, device=q.device)
+        pml = torch.empty((nsplit, T, H * 2), dtype=torch.float32, device=q.device)
+        _attention_kernel[(B, Hkv, nqb * nsplit)](
+            q, k_cache, v_cache, out, po, pml, *meta, po.stride(0), po.stride(1), pml.stride(0), pml.stride(1),
+            SPLIT=split, NSPLIT=nsplit, **common)
+        _combine_kernel[(B, Hkv, nqb)](out, po, pml, seq_qstart, seq_qlen, seq_ctx, out.stride(0), po.stride(0),
+                                       po.stride(1), pml.stride(0), pml.stride(1), G=H // Hkv, G_P2=g_p2, BQ=bq,
+                                       D=D, SPLIT=split, QLIMIT=qlimit, num_warps=4)
     return out
 
 
