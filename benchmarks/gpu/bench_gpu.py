@@ -27,6 +27,7 @@ Two steps:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -94,15 +95,36 @@ def weight_read_bytes(model) -> int:
     return total - (0 if model.config.tie_word_embeddings else emb.numel() * emb.element_size())
 
 
-def method_configs(draft: str | None, k: int) -> dict:
+# batch-1 methods: name -> speculative config keys ("model" is filled in for draft_model)
+METHODS = {
+    "baseline": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "ngram_k8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "suffix_k15": {"method": "suffix", "num_speculative_tokens": 15},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+}
+# 16 concurrent: the same, plus k capped by batch size (num_speculative_tokens_per_batch_size)
+C16_PROFILES = ["baseline", "ngram", "suffix", "draft_model"]
+C16_EXTRA = {
+    "ngram_pbs": {**METHODS["ngram"], "num_speculative_tokens_per_batch_size": [[4, 5], [16, 3]]},
+    "suffix_pbs": {**METHODS["suffix"], "num_speculative_tokens_per_batch_size": [[4, 8], [16, 4]]},
+    "draft_model_pbs": {**METHODS["draft_model"], "num_speculative_tokens_per_batch_size": [[4, 3], [16, 1]]},
+}
+
+
+def method_configs(draft: str | None, specs: dict) -> dict:
+    """name -> SpeculativeConfig (None for the baseline); draft_model entries only with a draft."""
     from specserve.config import SpeculativeConfig
 
-    cfgs = {"baseline": None,
-            "ngram": SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4),
-            "suffix": SpeculativeConfig("suffix", max(k, 8))}
-    if draft:
-        cfgs["draft_model"] = SpeculativeConfig("draft_model", k, model=draft)
-    return cfgs
+    out = {}
+    for name, spec in specs.items():
+        if spec is not None and spec["method"] == "draft_model":
+            if not draft:
+                continue
+            spec = {**spec, "model": draft}
+        out[name] = SpeculativeConfig.from_dict(spec) if spec else None
+    return out
 
 
 def batch1(llm, samples, cfgs, passes: int, log) -> dict:
@@ -221,7 +243,8 @@ def run(args) -> None:
     tdtype = getattr(torch, dtype)
     res = {"benchmark": "gpu", "device": torch.cuda.get_device_name(0) if dev == "cuda" else platform.processor(),
            "torch": torch.__version__,
-           "conditions": {"dtype": dtype, "greedy": True, "k": args.k, "prompts_per_segment": {
+           "conditions": {"dtype": dtype, "greedy": True, "methods": METHODS, "c16_extra_profiles": C16_EXTRA,
+                          "transformers_prompt_lookup_k": args.k, "prompts_per_segment": {
                seg: sum(s["segment"] == seg for s in samples) for seg in segments},
                "python": platform.python_version(), "c16_requests": args.c16_requests},
            "ceilings": ceilings(torch), "models": {}, "summary": {}}
@@ -229,7 +252,7 @@ def run(args) -> None:
     for spec in args.model:
         target, _, draft = spec.partition(":")
         name = resolve_model(target).name
-        cfgs = method_configs(draft or None, args.k)
+        cfgs = method_configs(draft or None, METHODS)
         r = res["models"][name] = {"draft": draft or None}
         t0 = time.perf_counter()
         llm = LLM(target, dtype=dtype, device=dev, max_model_len=args.max_model_len, max_num_seqs=16)
@@ -258,23 +281,32 @@ def run(args) -> None:
         r["bf16_greedy_match"] = {"rate": mr, "runs": n_cmp}
         log(f"  batch-1 baseline {rate(1, 'baseline'):.0f} tok/s warm, {rate(0, 'baseline'):.0f} first sight; match {mr:.3f}")
         # 16 concurrent
-        profiles = {"baseline": None, **{m: cfgs[m] for m in spec_methods}}
-        for pname, pspec in (json.loads(args.c16_profiles) if args.c16_profiles else {}).items():
-            from specserve.config import SpeculativeConfig
-
-            profiles[pname] = SpeculativeConfig.from_dict({**pspec, **({"model": draft} if pspec.get("method") == "draft_model" else {})})
+        profiles = {m: cfgs[m] for m in C16_PROFILES if m in cfgs}
+        profiles.update(method_configs(draft or None, C16_EXTRA))
         r["c16"] = {pn: concurrent(llm, samples, pc, args.c16_requests) for pn, pc in profiles.items()}
         log("  c16 " + ", ".join(f"{pn} {v['total_tok_s']:.0f}" for pn, v in r["c16"].items()))
+        base_w = rate(1, "baseline")
+        r["weight_read_floor_fraction"] = r["weight_read_floor_ms"] / (1e3 / base_w)
+        res["summary"][name] = {
+            "batch1_baseline_tok_s": base_w,
+            "batch1_speedup": {seg: {m: rate(1, m, seg) / rate(1, "baseline", seg) for m in spec_methods}
+                               for seg in segments},
+            "c16_total_tok_s": {pn: v["total_tok_s"] for pn, v in r["c16"].items()},
+            "first_sight_over_warm": rate(0, "baseline") / base_w,
+            "bf16_greedy_match_rate": mr,
+        }
+        save(res, args.out)
         hf_folder = llm.engine.target.files.path
         draft_folder = resolve_model(draft).path if draft else None
         del llm, runner
+        gc.collect()
         if dev != "cuda":  # batch-invariant mode is CUDA only
             inv = None
         else:
             torch.cuda.empty_cache()
             inv = LLM(target, dtype=dtype, device=dev, max_model_len=args.max_model_len, max_num_seqs=16,
                       batch_invariant=True)
-        inv_cfgs = {m: c for m, c in cfgs.items() if m in ("baseline", "ngram", "suffix")}
+        inv_cfgs = {m: c for m, c in cfgs.items() if m in ("baseline", "ngram", "suffix", "draft_model")}
         if inv is not None:
             b1i = batch1(inv, samples, inv_cfgs, 1, log)
             mri, n_i = match_rate(b1i["outs"], {(0, m) for m in inv_cfgs if m != "baseline"}, "baseline")
@@ -286,7 +318,9 @@ def run(args) -> None:
                                              for (p, seg, m), v in sorted(b1i["acc"].items())]}
             log(f"  batch-invariant: match {mri:.3f}, baseline {inv_base:.0f} tok/s")
             del inv
+            gc.collect()
             torch.cuda.empty_cache()
+            save(res, args.out)
         # transformers generate() on the same token ids
         hf_samples = [s for seg in segments for s in [x for x in samples if x["segment"] == seg][: args.hf_prompts]]
         if args.hf_prompts > 0:
@@ -299,23 +333,17 @@ def run(args) -> None:
                 ours[i][: len(t)] == t for i, t in hf_base.items()) / max(1, len(hf_base))
             r["transformers_decode_tok_s"] = hf_rates(r["transformers"])
             log("  transformers " + ", ".join(f"{m} {v:.0f}" for m, v in r["transformers_decode_tok_s"].items()))
-        base_w = rate(1, "baseline")
-        r["weight_read_floor_fraction"] = r["weight_read_floor_ms"] / (1e3 / base_w)
-        res["summary"][name] = {
-            "batch1_baseline_tok_s": base_w,
-            "batch1_speedup": {seg: {m: rate(1, m, seg) / rate(1, "baseline", seg) for m in spec_methods}
-                               for seg in segments},
-            "c16_total_tok_s": {pn: v["total_tok_s"] for pn, v in r["c16"].items()},
-            "first_sight_over_warm": rate(0, "baseline") / base_w,
-            "bf16_greedy_match_rate": mr,
-        }
-        if args.out:  # after every model, so a run cut short keeps what it measured
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        save(res, args.out)
     res["wall_seconds"] = time.perf_counter() - t_start
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    save(res, args.out)
     print_table(res)
+
+
+def save(res: dict, out: str | None) -> None:
+    """Write the results so far (after every stage, so a run cut short keeps what it measured)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=1) + "\n")
 
 
 def print_table(res) -> None:
@@ -351,10 +379,9 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("--prompts", required=True)
     r.add_argument("--model", action="append", required=True, help="TARGET[:DRAFT] (repeatable)")
-    r.add_argument("--k", type=int, default=5)
+    r.add_argument("--k", type=int, default=5, help="k of transformers' prompt lookup")
     r.add_argument("--max-model-len", type=int, default=4096)
     r.add_argument("--c16-requests", type=int, default=32)
-    r.add_argument("--c16-profiles", default=None, help='extra c16 profiles, JSON {"name": {speculative config}}')
     r.add_argument("--hf-prompts", type=int, default=1, help="transformers prompts per segment (0: skip)")
     r.add_argument("--hf-max-tokens", type=int, default=128)
     r.add_argument("--device", default="cuda", help="cuda (cpu only for a smoke run of this script)")
