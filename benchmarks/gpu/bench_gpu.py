@@ -321,6 +321,19 @@ def run(args) -> None:
             gc.collect()
             torch.cuda.empty_cache()
             save(res, args.out)
+        if name in args.fp32_check and dev == "cuda":  # fp32: greedy speculation must equal the baseline
+            f32 = LLM(target, dtype="float32", device=dev, max_model_len=args.max_model_len, max_num_seqs=16)
+            f_cfgs = {m: c for m, c in cfgs.items() if m in ("baseline", "ngram", "suffix")}
+            b1f = batch1(f32, samples, f_cfgs, 1, log)
+            mrf, n_f = match_rate(b1f["outs"], {(0, m) for m in f_cfgs if m != "baseline"}, "baseline")
+            r["fp32"] = {"greedy_match_rate": mrf, "runs": n_f, "batch1_baseline_tok_s": sum(
+                v[0] for kk, v in b1f["acc"].items() if kk[2] == "baseline") / sum(
+                v[1] for kk, v in b1f["acc"].items() if kk[2] == "baseline")}
+            log(f"  fp32: match {mrf:.3f}, baseline {r['fp32']['batch1_baseline_tok_s']:.0f} tok/s")
+            del f32
+            gc.collect()
+            torch.cuda.empty_cache()
+            save(res, args.out)
         # transformers generate() on the same token ids
         hf_samples = [s for seg in segments for s in [x for x in samples if x["segment"] == seg][: args.hf_prompts]]
         if args.hf_prompts > 0:
@@ -352,6 +365,9 @@ def print_table(res) -> None:
         print(f"\n== {name}: batch-1 baseline {s['batch1_baseline_tok_s']:.0f} tok/s "
               f"(floor {r['weight_read_floor_ms']:.3f} ms/token, {100 * r['weight_read_floor_fraction']:.0f}% of it), "
               f"first sight / warm {s['first_sight_over_warm']:.2f}, bf16 greedy match {s['bf16_greedy_match_rate']:.2f}")
+        if "fp32" in r:
+            print(f"fp32: greedy match {r['fp32']['greedy_match_rate']:.2f} over {r['fp32']['runs']} runs, "
+                  f"baseline {r['fp32']['batch1_baseline_tok_s']:.0f} tok/s")
         if "batch_invariant" in r:
             bi = r["batch_invariant"]
             print(f"batch-invariant mode: greedy match {bi['greedy_match_rate']:.2f}, baseline "
@@ -382,6 +398,8 @@ def main() -> None:
     r.add_argument("--k", type=int, default=5, help="k of transformers' prompt lookup")
     r.add_argument("--max-model-len", type=int, default=4096)
     r.add_argument("--c16-requests", type=int, default=32)
+    r.add_argument("--fp32-check", action="append", default=[],
+                   help="model name (repeatable) whose greedy speculation is also compared in fp32")
     r.add_argument("--hf-prompts", type=int, default=1, help="transformers prompts per segment (0: skip)")
     r.add_argument("--hf-max-tokens", type=int, default=128)
     r.add_argument("--device", default="cuda", help="cuda (cpu only for a smoke run of this script)")

@@ -74,17 +74,16 @@ class CudaGraphRunner:
         f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
         return StepTensors(f("input_ids", b.num_tokens), f("positions", b.num_tokens), f("token_slots", b.num_tokens),
                            f("logits_rows", b.num_tokens), f("seq_qstart", b.num_seqs), f("seq_qlen", b.num_seqs),
-                           f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs), min(b.num_tokens, self.buckets.max_qlen))
+                           f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs),
+                           min(b.num_tokens, self.buckets.max_qlen))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         # Capture with an all-padding step (no KV writes, no attention work): graphs record kernels, not data.
         h = self._host_np[0]
-        for name in StepLayout.TOKEN_FIELDS + StepLayout.SEQ_FIELDS:
-            self.layout.field(h, name, self.layout.max_tokens if name in StepLayout.TOKEN_FIELDS else self.layout.max_seqs)[:] = 0
+        h[:] = 0
         self.layout.field(h, "token_slots", self.layout.max_tokens)[:] = -1
-        self.layout.field(h, "seq_qlen", self.layout.max_seqs)[:] = 0
         self._dev.copy_(self._host[0])
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
@@ -113,46 +112,41 @@ class CudaGraphRunner:
         Raises:
             RuntimeError: a sequence's start is not its slot's KV length.
         """
+        return self.run([s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
+                        [s.num_logits for s in seqs])
+
+    def run(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
+            num_logits: list[int]) -> torch.Tensor:
+        """`forward` for a step given as per-sequence lists (slot, first position, new tokens, logits rows)."""
         lengths = self.kv.lengths
-        for s in seqs:
-            if lengths[s.slot] != s.start:
-                raise RuntimeError(f"slot {s.slot}: KV length {lengths[s.slot]} != step start {s.start}")
-        qmax = max(len(s.token_ids) for s in seqs)
-        T = sum(len(s.token_ids) for s in seqs)
-        bucket = self.buckets.pick(len(seqs), T, qmax) if self._graphs else None
+        for slot, start in zip(slots, starts):
+            if lengths[slot] != start:
+                raise RuntimeError(f"slot {slot}: KV length {lengths[slot]} != step start {start}")
+        qlens = [len(t) for t in token_ids]
+        qmax, T, B = max(qlens), sum(qlens), len(slots)
+        bucket = self.buckets.pick(B, T, qmax) if self._graphs else None
         if bucket is not None:
-            logits = self._replay(seqs, bucket)
+            self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight
+            i = self._flip
+            self._copied[i].synchronize()  # returns at once unless the host ran two steps ahead of the GPU
+            R = pack_step(self._host_np[i], self.layout, slots, starts, token_ids, num_logits, bucket.num_tokens,
+                          bucket.num_seqs)
+            self._dev.copy_(self._host[i], non_blocking=True)
+            self._copied[i].record()
+            self._graphs[bucket].replay()
+            self.num_graph_steps += 1
+            logits = self._out[:R]
         else:
-            logits = self._eager(seqs, T, qmax)
-        for s in seqs:
-            self.kv.extend(s.slot, s.start + len(s.token_ids))
+            layout = StepLayout(T, B)
+            host = np.empty(layout.size, dtype=np.int32)
+            R = pack_step(host, layout, slots, starts, token_ids, num_logits, T, B)
+            dev = torch.from_numpy(host).to(self.device, non_blocking=False)
+            f = lambda name, n: layout.field(dev, name, n)  # noqa: E731
+            step = StepTensors(f("input_ids", T), f("positions", T), f("token_slots", T), f("logits_rows", R),
+                               f("seq_qstart", B), f("seq_qlen", B), f("seq_ctx", B), f("seq_slot", B), qmax,
+                               has_short=min(qlens) <= SPLIT_MAX_QLEN)
+            self.num_eager_steps += 1
+            logits = self.fwd(step, self.kv)
+        for slot, start, q in zip(slots, starts, qlens):
+            self.kv.extend(slot, start + q)
         return logits
-
-    def _pack(self, buf: np.ndarray, layout: StepLayout, seqs: list[SeqInput], num_tokens: int, num_seqs: int) -> int:
-        return pack_step(buf, layout, [s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
-                         [s.num_logits for s in seqs], num_tokens, num_seqs)
-
-    def _replay(self, seqs: list[SeqInput], bucket: Bucket) -> torch.Tensor:
-        self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight
-        i = self._flip
-        self._copied[i].synchronize()  # returns at once unless the host ran two steps ahead of the GPU
-        R = self._pack(self._host_np[i], self.layout, seqs, bucket.num_tokens, bucket.num_seqs)
-        self._dev.copy_(self._host[i], non_blocking=True)
-        self._copied[i].record()
-        self._graphs[bucket].replay()
-        self.num_graph_steps += 1
-        return self._out[:R]
-
-    def _eager(self, seqs: list[SeqInput], T: int, qmax: int) -> torch.Tensor:
-        layout = StepLayout(T, len(seqs))
-        host = np.empty(layout.size, dtype=np.int32)
-        self._pack(host, layout, seqs, T, len(seqs))
-        dev = torch.from_numpy(host).to(self.device, non_blocking=False)
-        f = lambda name, n: layout.field(dev, name, n)  # noqa: E731
-        R = sum(s.num_logits for s in seqs)
-        step = StepTensors(f("input_ids", T), f("positions", T), f("token_slots", T), f("logits_rows", R),
-                           f("seq_qstart", len(seqs)), f("seq_qlen", len(seqs)), f("seq_ctx", len(seqs)),
-                           f("seq_slot", len(seqs)), qmax,
-                           has_short=any(len(s.token_ids) <= SPLIT_MAX_QLEN for s in seqs))
-        self.num_eager_steps += 1
-        return self.fwd(step, self.kv)

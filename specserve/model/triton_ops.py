@@ -111,8 +111,9 @@ def _rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, si
     q_r = tl.load(base + h * D + d_rot[None, :], mask=hm, other=0.0).to(tl.float32)
     if HAS_QK_NORM:  # Qwen3: RMSNorm over each head before RoPE (rounded like the eager model)
         rstd = 1.0 / tl.sqrt(tl.sum(q * q, axis=1) / D + eps)[:, None]
-        q = (q * rstd).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(qn_ptr + d)[None, :].to(tl.float32)
-        q_r = (q_r * rstd).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(qn_ptr + d_rot)[None, :].to(tl.float32)
+        dt = q_out_ptr.dtype.element_ty
+        q = (q * rstd).to(dt).to(tl.float32) * tl.load(qn_ptr + d)[None, :].to(tl.float32)
+        q_r = (q_r * rstd).to(dt).to(tl.float32) * tl.load(qn_ptr + d_rot)[None, :].to(tl.float32)
         q = q.to(q_out_ptr.dtype.element_ty).to(tl.float32)
         q_r = q_r.to(q_out_ptr.dtype.element_ty).to(tl.float32)
     q = q * cos + sign[None, :] * q_r * sin
@@ -125,8 +126,9 @@ def _rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, si
         k_r = tl.load(kb + g * D + d_rot[None, :], mask=gm, other=0.0).to(tl.float32)
         if HAS_QK_NORM:
             rstd_k = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) / D + eps)[:, None]
-            k = (k * rstd_k).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(kn_ptr + d)[None, :].to(tl.float32)
-            k_r = (k_r * rstd_k).to(q_out_ptr.dtype.element_ty).to(tl.float32) * tl.load(kn_ptr + d_rot)[None, :].to(tl.float32)
+            dtk = q_out_ptr.dtype.element_ty
+            k = (k * rstd_k).to(dtk).to(tl.float32) * tl.load(kn_ptr + d)[None, :].to(tl.float32)
+            k_r = (k_r * rstd_k).to(dtk).to(tl.float32) * tl.load(kn_ptr + d_rot)[None, :].to(tl.float32)
             k = k.to(q_out_ptr.dtype.element_ty).to(tl.float32)
             k_r = k_r.to(q_out_ptr.dtype.element_ty).to(tl.float32)
         k = k * cos + sign[None, :] * k_r * sin

@@ -30,7 +30,8 @@ def _load(path, dtype, device, slots=4, max_len=256):
 
     cfg = ModelConfig.from_folder(path)
     model = load_model(path, cfg, dtype, torch.device(device), max_len)
-    return model, lambda: KVCache(cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim, max_len, dtype, torch.device(device))
+    dev = torch.device(device)
+    return model, lambda: KVCache(cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim, max_len, dtype, dev)
 
 
 def _steps(vocab, seed=0):
