@@ -89,6 +89,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def _rope_rows(base, rows, rmask, norm_ptr, dt_ptr, d, d_rot, sign, cos, sin, eps, D: tl.constexpr,
+               HAS_NORM: tl.constexpr):
+    # heads `rows` ([R, 1]) of one token at `base` (head r at base + r * D) -> float32 [R, D]: optionally
+    # RMS-normed per head (Qwen3, rounded to dt_ptr's dtype like the eager model), then rotated by RoPE
+    x = tl.load(base + rows * D + d[None, :], mask=rmask, other=0.0).to(tl.float32)
+    x_r = tl.load(base + rows * D + d_rot[None, :], mask=rmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        dt = dt_ptr.dtype.element_ty
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        x = ((x * rstd).to(dt).to(tl.float32) * tl.load(norm_ptr + d)[None, :].to(tl.float32)).to(dt).to(tl.float32)
+        x_r = (x_r * rstd).to(dt).to(tl.float32) * tl.load(norm_ptr + d_rot)[None, :].to(tl.float32)
+        x_r = x_r.to(dt).to(tl.float32)
+    return x * cos + sign[None, :] * x_r * sin
+
+
+@triton.jit
 def _rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                        qn_ptr, kn_ptr, eps, stride_t, stride_qo, stride_cos,
                        stride_cs, stride_ch, stride_cl,
@@ -99,40 +115,20 @@ def _rope_cache_kernel(qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, si
     slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
-    d_rot = (d + half) % D
+    d_rot = (d + half) % D  # rotate_half: x_rot[d] = -x[d + D/2] (first half), x[d - D/2] (second half)
     sign = tl.where(d < half, -1.0, 1.0)
     cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
     base = qkv_ptr + t * stride_t
-    # queries: [H_P2, D]
     h = tl.arange(0, H_P2)[:, None]
     hm = h < H
-    q = tl.load(base + h * D + d[None, :], mask=hm, other=0.0).to(tl.float32)
-    q_r = tl.load(base + h * D + d_rot[None, :], mask=hm, other=0.0).to(tl.float32)
-    if HAS_QK_NORM:  # Qwen3: RMSNorm over each head before RoPE (rounded like the eager model)
-        rstd = 1.0 / tl.sqrt(tl.sum(q * q, axis=1) / D + eps)[:, None]
-        dt = q_out_ptr.dtype.element_ty
-        q = (q * rstd).to(dt).to(tl.float32) * tl.load(qn_ptr + d)[None, :].to(tl.float32)
-        q_r = (q_r * rstd).to(dt).to(tl.float32) * tl.load(qn_ptr + d_rot)[None, :].to(tl.float32)
-        q = q.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-        q_r = q_r.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-    q = q * cos + sign[None, :] * q_r * sin
+    q = _rope_rows(base, h, hm, qn_ptr, q_out_ptr, d, d_rot, sign, cos, sin, eps, D, HAS_QK_NORM)
     tl.store(q_out_ptr + t * stride_qo + h * D + d[None, :], q.to(q_out_ptr.dtype.element_ty), mask=hm)
     if slot >= 0:  # padding tokens (slot -1) write nothing
         g = tl.arange(0, HKV_P2)[:, None]
         gm = g < HKV
-        kb = base + H * D
-        k = tl.load(kb + g * D + d[None, :], mask=gm, other=0.0).to(tl.float32)
-        k_r = tl.load(kb + g * D + d_rot[None, :], mask=gm, other=0.0).to(tl.float32)
-        if HAS_QK_NORM:
-            rstd_k = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) / D + eps)[:, None]
-            dtk = q_out_ptr.dtype.element_ty
-            k = (k * rstd_k).to(dtk).to(tl.float32) * tl.load(kn_ptr + d)[None, :].to(tl.float32)
-            k_r = (k_r * rstd_k).to(dtk).to(tl.float32) * tl.load(kn_ptr + d_rot)[None, :].to(tl.float32)
-            k = k.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-            k_r = k_r.to(q_out_ptr.dtype.element_ty).to(tl.float32)
-        k = k * cos + sign[None, :] * k_r * sin
-        v = tl.load(kb + HKV * D + g * D + d[None, :], mask=gm, other=0.0)
+        k = _rope_rows(base + H * D, g, gm, kn_ptr, q_out_ptr, d, d_rot, sign, cos, sin, eps, D, HAS_QK_NORM)
+        v = tl.load(base + (H + HKV) * D + g * D + d[None, :], mask=gm, other=0.0)
         dst = slot * stride_cs + g * stride_ch + pos * stride_cl + d[None, :]
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=gm)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=gm)
