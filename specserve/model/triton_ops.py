@@ -190,6 +190,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _tile_rows(qb, qlen, kvh, G: tl.constexpr, G_P2: tl.constexpr, BQ: tl.constexpr):
+    # the rows of a query tile: BQ query tokens x the G_P2 (padded) query heads of KV head kvh
+    r = tl.arange(0, BQ * G_P2)
+    tok = qb * BQ + r // G_P2
+    g = r % G_P2
+    return tok, (tok < qlen) & (g < G), kvh * G + g
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, po_ptr, pml_ptr,
                       seq_qstart_ptr, seq_qlen_ptr, seq_ctx_ptr, seq_slot_ptr, scale_log2,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_cl,
@@ -224,12 +233,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, po_ptr, pml_ptr,
     if go & (qb * BQ < qlen):
         qstart = tl.load(seq_qstart_ptr + b).to(tl.int64)
         slot = tl.load(seq_slot_ptr + b).to(tl.int64)
-        # rows of the tile: BQ query tokens x G_P2 heads of this KV head's group
-        r = tl.arange(0, BQ * G_P2)
-        tok = qb * BQ + r // G_P2
-        g = r % G_P2
-        valid = (tok < qlen) & (g < G)
-        head = kvh * G + g
+        tok, valid, head = _tile_rows(qb, qlen, kvh, G, G_P2, BQ)
         d = tl.arange(0, D)
         q = tl.load(q_ptr + (qstart + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=valid[:, None], other=0.0)
@@ -285,11 +289,7 @@ def _combine_kernel(o_ptr, po_ptr, pml_ptr, seq_qstart_ptr, seq_qlen_ptr, seq_ct
     if (qlen <= QLIMIT) & (qb * BQ < qlen):
         qstart = tl.load(seq_qstart_ptr + b).to(tl.int64)
         ctx = tl.load(seq_ctx_ptr + b)
-        r = tl.arange(0, BQ * G_P2)
-        tok = qb * BQ + r // G_P2
-        g = r % G_P2
-        valid = (tok < qlen) & (g < G)
-        head = kvh * G + g
+        tok, valid, head = _tile_rows(qb, qlen, kvh, G, G_P2, BQ)
         d = tl.arange(0, D)
         n_row = (ctx + tok) // SPLIT + 1  # splits holding keys <= the row's position
         n_max = (ctx + tl.minimum(qb * BQ + BQ, qlen) - 1) // SPLIT + 1
