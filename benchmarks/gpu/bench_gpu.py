@@ -101,7 +101,9 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "ngram_k8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
-    "suffix_k15": {"method": "suffix", "num_speculative_tokens": 15},
+    # a cache size one below the default gives this method its own proposer, so its global tree never
+    # holds the other suffix method's output for the same prompt (which it would replay at no cost)
+    "suffix_k15": {"method": "suffix", "num_speculative_tokens": 15, "suffix_decoding_max_cached_requests": 9999},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
 }
 # 16 concurrent: the same, plus k capped by batch size (num_speculative_tokens_per_batch_size)
