@@ -67,6 +67,15 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_cuda_arguments(p: argparse.ArgumentParser) -> None:
+    """--enforce-eager and --batch-invariant (EngineConfig fields; CUDA only)."""
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly instead of replaying CUDA graphs captured at start-up")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CUDA: fixed-order kernels, so greedy speculation is token-identical to the baseline in "
+                        "bf16 too (slower; refused on the CPU)")
+
+
 # ---- generate -------------------------------------------------------------------------------------------
 
 
@@ -87,6 +96,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_cuda_arguments(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -102,7 +112,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     spec_config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
     engine = LLMEngine(EngineConfig(model=args.model, speculative_config=spec_config, max_model_len=args.max_model_len,
-                                    dtype=args.dtype, device=args.device))
+                                    dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+                                    batch_invariant=args.batch_invariant))
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
@@ -152,6 +163,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    add_cuda_arguments(p)
     p.add_argument("--allow-profile-override", action="store_true",
                    help="let a request pick its profile (`profile` field or x-specserve-profile header); "
                         "without it such requests get 403")

@@ -164,6 +164,10 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + 1 + k per decoding request).
         speculative_config: engine-wide default speculation (None = off); requests may choose another.
         seed: seed for requests that give none (for reproducible runs of a whole engine).
+        enforce_eager: on CUDA, run every step eagerly instead of replaying CUDA graphs (as vLLM's flag).
+        batch_invariant: on CUDA, compute every row in a fixed reduction order whatever the batch shape, so
+            a verify block's logits are bit-identical to one-token decodes and greedy speculation is
+            token-identical to the baseline in bf16 too (slower matmuls; see docs/gpu-notes.md).
     """
 
     model: str
@@ -174,6 +178,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     speculative_config: SpeculativeConfig | None = None
     seed: int = 0
+    enforce_eager: bool = False
+    batch_invariant: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

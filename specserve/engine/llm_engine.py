@@ -73,7 +73,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, target: LoadedModel | None = None):
         self.config = config
         self.target = target if target is not None else LoadedModel(
-            config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs
+            config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs,
+            enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
         )
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.files.name

@@ -12,10 +12,12 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from specserve.config import ConfigError
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import ModelRunner
 from specserve.hub import ModelFiles, resolve_model
 from specserve.model.config import ModelConfig
+from specserve.model.llama import CausalLM
 from specserve.model.loader import DTYPES, load_model
 
 
@@ -45,19 +47,26 @@ class LoadedModel:
         max_model_len: context length; None = the model's own limit capped at 4096; never above the
             model's own limit.
         num_slots: KV cache slots (most sequences at once).
+        enforce_eager, batch_invariant: CUDA runner options (`EngineConfig`); on the CPU the eager
+            `ModelRunner` runs and batch_invariant is refused.
 
     Raises:
         ModelError, ModelConfigError, WeightLoadError: the model cannot be found or loaded.
+        ConfigError: batch_invariant on a device other than CUDA.
     """
 
-    def __init__(self, model_ref: str, dtype: str, device: str, max_model_len: int | None, num_slots: int):
+    def __init__(self, model_ref: str, dtype: str, device: str, max_model_len: int | None, num_slots: int,
+                 enforce_eager: bool = False, batch_invariant: bool = False):
         files = resolve_model(model_ref)
         dev = resolve_device(device)
+        if batch_invariant and dev.type != "cuda":
+            raise ConfigError("batch-invariant mode runs on CUDA only (its fixed-order kernels are Triton kernels)")
         dt = resolve_dtype(dtype, dev)
         cfg = ModelConfig.from_folder(files.path)
         max_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
         model = load_model(files.path, cfg, dt, dev, max_len)
-        self._assemble(files, cfg, model, AutoTokenizer.from_pretrained(str(files.path)), dt, dev, max_len, num_slots)
+        self._assemble(files, cfg, model, AutoTokenizer.from_pretrained(str(files.path)), dt, dev, max_len, num_slots,
+                       enforce_eager, batch_invariant)
 
     @classmethod
     def from_parts(cls, files: ModelFiles, config: ModelConfig, model: torch.nn.Module, tokenizer: Any, *,
@@ -69,8 +78,15 @@ class LoadedModel:
         return self
 
     def _assemble(self, files: ModelFiles, cfg: ModelConfig, model: torch.nn.Module, tokenizer: Any, dtype: torch.dtype,
-                  device: torch.device, max_model_len: int, num_slots: int) -> None:
+                  device: torch.device, max_model_len: int, num_slots: int, enforce_eager: bool = False,
+                  batch_invariant: bool = False) -> None:
         self.files, self.config, self.model, self.tokenizer = files, cfg, model, tokenizer
         self.dtype, self.device, self.max_model_len = dtype, device, max_model_len
         self.kv = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, max_model_len, dtype, device)
-        self.runner = ModelRunner(model, self.kv, device)
+        if device.type == "cuda" and isinstance(model, CausalLM):
+            from specserve.engine.cuda_graph_runner import CudaGraphRunner  # imports Triton: CUDA only
+
+            self.runner = CudaGraphRunner(model, self.kv, device, num_slots, batch_invariant=batch_invariant,
+                                          cuda_graphs=not enforce_eager)
+        else:
+            self.runner = ModelRunner(model, self.kv, device)

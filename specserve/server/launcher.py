@@ -50,6 +50,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
     ))
     settings = ServerSettings(
         allow_profile_override=args.allow_profile_override, admin_token=token, request_log=args.request_log,

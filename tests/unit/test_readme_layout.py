@@ -19,8 +19,8 @@ def _layout_modules() -> dict[str, set[str]]:
         if m := re.match(r"^(\w+)/(.*)$", line):  # specserve/, benchmarks/, docs/, ...
             top = folder = m.group(1)
             rest = m.group(2)
-        elif top == "specserve" and (m := re.match(r"^  (\w+)/(.*)$", line)):  # a subpackage
-            folder, rest = f"specserve/{m.group(1)}", m.group(2)
+        elif top in ("specserve", "benchmarks") and (m := re.match(r"^  (\w+)/(.*)$", line)):  # a subfolder
+            folder, rest = f"{top}/{m.group(1)}", m.group(2)
         elif top == "specserve" and re.match(r"^  \w+\.py", line):  # modules of the package root
             folder, rest = "specserve", line
         else:  # a continuation line of the same folder

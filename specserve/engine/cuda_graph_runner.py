@@ -1,0 +1,163 @@
+"""The model runner on CUDA: fused forward, CUDA graphs captured at start-up, eager for the rest.
+
+What it does: the same job and interface as `ModelRunner` (`forward(seqs) -> logits`, KV lengths
+extended), on a CUDA device. At construction it captures one CUDA graph of `FusedForward` per shape
+bucket (`step_buckets.BucketSet`: token count x sequence count), all sharing one memory pool and one set
+of static input/output buffers. A step that fits a bucket (decodes, verify blocks, short prefill
+chunks, the draft model's steps) is packed into the bucket's padded layout on the host, copied to the
+device in one transfer, and replayed; a step outside every bucket (long prefill chunks) runs the same
+fused forward eagerly. Nothing is compiled or planned per shape after start-up: every kernel reads the
+step's shape from device tensors, so the first time a shape is seen costs what the hundredth does.
+The logits returned for a graph step are a view of the static output buffer, valid until the next
+forward of this runner.
+What it does not do: schedule, sample or roll back (the engine truncates the KV cache after verification).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.model_runner import SeqInput
+from specserve.engine.step_buckets import Bucket, BucketSet, StepLayout, pack_step
+from specserve.model.fused_forward import FusedForward, StepTensors
+from specserve.model.triton_ops import SPLIT_MAX_QLEN
+from specserve.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class CudaGraphRunner:
+    """`forward(seqs)` -> float32 logits [sum(num_logits), vocab], like `ModelRunner`, on CUDA.
+
+    Args:
+        model: the loaded `CausalLM` (on `device`); kv: its `KVCache`.
+        max_num_seqs: most sequences in one step (sizes the graph buckets).
+        batch_invariant: every matmul in fixed reduction order (`FusedForward`); a verify block's logits
+            are then bit-identical to one-token decodes.
+        cuda_graphs: capture graphs (False: every step eager, e.g. to debug or compare).
+        max_qlen: most new tokens of one sequence in a graph step (1 + largest k); longer ones run eagerly.
+        max_graph_tokens: most tokens of a graph step.
+
+    Attributes:
+        capture_seconds: time the start-up capture took; num_graph_steps / num_eager_steps: counters.
+    """
+
+    def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, max_num_seqs: int,
+                 batch_invariant: bool = False, cuda_graphs: bool = True, max_qlen: int = SPLIT_MAX_QLEN,
+                 max_graph_tokens: int = 512):
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.fwd = FusedForward(model, batch_invariant)
+        self.buckets = BucketSet(max_num_seqs, max_qlen, min(max_graph_tokens, max_num_seqs * max_qlen))
+        self.layout = StepLayout(self.buckets.max_tokens, self.buckets.max_seqs)
+        self._host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._copied = [torch.cuda.Event() for _ in range(2)]  # set when a host buffer's copy has run
+        self._flip = 0
+        self._dev = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        vocab = model.config.vocab_size
+        self._out = torch.empty((self.layout.max_tokens, vocab), dtype=torch.float32, device=device)
+        self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        self.capture_seconds = 0.0
+        if cuda_graphs:
+            self._capture_all()
+
+    def _static_step(self, b: Bucket) -> StepTensors:
+        f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
+        return StepTensors(f("input_ids", b.num_tokens), f("positions", b.num_tokens), f("token_slots", b.num_tokens),
+                           f("logits_rows", b.num_tokens), f("seq_qstart", b.num_seqs), f("seq_qlen", b.num_seqs),
+                           f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs),
+                           min(b.num_tokens, self.buckets.max_qlen))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        # Capture with an all-padding step (no KV writes, no attention work): graphs record kernels, not data.
+        h = self._host_np[0]
+        h[:] = 0
+        self.layout.field(h, "token_slots", self.layout.max_tokens)[:] = -1
+        self._dev.copy_(self._host[0])
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for b in sorted(self.buckets.buckets, reverse=True):  # largest first: the pool is sized once
+            step = self._static_step(b)
+            out = self._out[: b.num_tokens]
+            with torch.cuda.stream(stream):
+                self.fwd(step, self.kv, out=out)  # warm-up: compiles kernels, sets up cuBLAS for this shape
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                self.fwd(step, self.kv, out=out)
+            self._graphs[b] = g
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), self.capture_seconds)
+
+    def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run the model once over all `seqs` and extend each slot's valid length.
+
+        Returns:
+            logits [R, vocab] with R = sum(s.num_logits), rows in `seqs` order (for a graph step a view of
+            the static output buffer, overwritten by the next forward).
+
+        Raises:
+            RuntimeError: a sequence's start is not its slot's KV length.
+        """
+        return self.run([s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
+                        [s.num_logits for s in seqs])
+
+    def execute(self, inp) -> torch.Tensor:
+        """`run` for the step plan's `ModelInput`: the graphs are packed from its host-side lists
+        (slots, start_positions, token_ids, num_rows); its device tensors are not needed here."""
+        token_ids = getattr(inp, "token_ids", None)
+        if token_ids is None:  # a ModelInput without host token ids: read them back (one sync)
+            flat, token_ids, t = inp.input_ids.tolist(), [], 0
+            for q in inp.query_lens:
+                token_ids.append(flat[t : t + q])
+                t += q
+        return self.run(inp.slots, inp.start_positions, token_ids, inp.num_rows)
+
+    def run(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
+            num_logits: list[int]) -> torch.Tensor:
+        """`forward` for a step given as per-sequence lists (slot, first position, new tokens, logits rows)."""
+        lengths = self.kv.lengths
+        for slot, start in zip(slots, starts):
+            if lengths[slot] != start:
+                raise RuntimeError(f"slot {slot}: KV length {lengths[slot]} != step start {start}")
+        qlens = [len(t) for t in token_ids]
+        qmax, T, B = max(qlens), sum(qlens), len(slots)
+        bucket = self.buckets.pick(B, T, qmax) if self._graphs else None
+        if bucket is not None:
+            self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight
+            i = self._flip
+            self._copied[i].synchronize()  # returns at once unless the host ran two steps ahead of the GPU
+            R = pack_step(self._host_np[i], self.layout, slots, starts, token_ids, num_logits, bucket.num_tokens,
+                          bucket.num_seqs)
+            self._dev.copy_(self._host[i], non_blocking=True)
+            self._copied[i].record()
+            self._graphs[bucket].replay()
+            self.num_graph_steps += 1
+            logits = self._out[:R]
+        else:
+            layout = StepLayout(T, B)
+            host = np.empty(layout.size, dtype=np.int32)
+            R = pack_step(host, layout, slots, starts, token_ids, num_logits, T, B)
+            dev = torch.from_numpy(host).to(self.device, non_blocking=False)
+            f = lambda name, n: layout.field(dev, name, n)  # noqa: E731
+            step = StepTensors(f("input_ids", T), f("positions", T), f("token_slots", T), f("logits_rows", R),
+                               f("seq_qstart", B), f("seq_qlen", B), f("seq_ctx", B), f("seq_slot", B), qmax,
+                               has_short=min(qlens) <= SPLIT_MAX_QLEN)
+            self.num_eager_steps += 1
+            logits = self.fwd(step, self.kv)
+        for slot, start, q in zip(slots, starts, qlens):
+            self.kv.extend(slot, start + q)
+        return logits
