@@ -171,6 +171,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bearer token of the /admin API (or env SPECSERVE_ADMIN_TOKEN); without one it is off")
     p.add_argument("--request-log", metavar="PATH", help="append one JSON line per request to PATH")
     p.add_argument("--log-prompts", action="store_true", help="include prompt and output text in the request log")
+    p.add_argument("--rollout-state", metavar="PATH",
+                   help="staged-rollout state file, written atomically on every change and resumed at start-up "
+                        "(without it a rollout lives in memory only)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs before new ones get 503 + Retry-After")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0, help="time streams get to finish on shutdown")

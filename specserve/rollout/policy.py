@@ -23,11 +23,17 @@ import hashlib
 import random
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from specserve.config import ConfigError
 from specserve.rollout.profiles import BASELINE, Profile, ProfileSet, check_weights
+
+
+# Set only by the server's own shadow replays (`shadow.replay_in_process`): forces the candidate for that
+# one in-process request. A context variable, so no HTTP client can set it.
+SHADOW_PROFILE: ContextVar[str | None] = ContextVar("specserve_shadow_profile", default=None)
 
 
 class UnknownProfile(ValueError):
@@ -86,6 +92,8 @@ class RolloutPolicy:
     def choose(self, *, sticky_key: str | None = None, requested: str | None = None) -> Choice:
         """The profile for one new request. Raises UnknownProfile / ProfileForbidden for `requested`."""
         with self._lock:
+            if (shadow := SHADOW_PROFILE.get()) is not None and shadow in self.profiles:
+                return Choice(self.profiles[shadow], "shadow", self._step)
             if requested is not None:
                 if not self.allow_override:
                     raise ProfileForbidden(

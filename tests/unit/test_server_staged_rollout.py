@@ -1,0 +1,155 @@
+"""Staged rollouts inside the server (FakeEngine over HTTP): the admin API, automatic promotion and
+revert on a failing candidate, the shadow check, request log and gauges, and resume after a restart."""
+
+import json
+import time
+
+import httpx
+import pytest
+
+from specserve.rollout.profiles import profile_set_from_dict
+from specserve.server.api import ServerSettings, create_app
+from specserve.server.launcher import ServerThread
+from tests.helpers.fake_engine import FakeEngine
+
+PROFILES = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4}},
+            "weights": {"baseline": 1}}
+TOKEN = "t0k"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+FAST = {"candidate": "ngram_4", "steps": [50, 100], "min_dwell_s": 0, "min_requests": 6, "window_s": 5,
+        "interval_s": 0.2, "gates": {"p95_e2e_ratio": 50, "p95_ttft_ratio": 50, "median_tpot_ratio": 50,
+                                     "error_rate_diff": 0.05}}
+
+
+class FailingSpecEngine(FakeEngine):
+    """The candidate fails on purpose: every speculative request is an engine error (HTTP 500)."""
+
+    def add_request(self, request_id, prompt, params, *, speculative_config=None, arrival_time=None):
+        if speculative_config is not None:
+            raise RuntimeError("injected candidate failure")
+        return super().add_request(request_id, prompt, params, speculative_config=speculative_config,
+                                   arrival_time=arrival_time)
+
+
+class LossySpecEngine(FakeEngine):
+    """A broken 'speculation' that changes greedy output: what the shadow check exists to catch."""
+
+    def _next_token(self, r):
+        tok = super()._next_token(r)
+        return ord("z") if (r.spec_config is not None and len(r.out) == 3) else tok
+
+
+def _start(tmp_path, engine=None, state="state.json"):
+    app = create_app(engine or FakeEngine(), profile_set_from_dict(PROFILES),
+                     ServerSettings(admin_token=TOKEN, request_log=str(tmp_path / "req.jsonl"), policy_seed=0,
+                                    rollout_state=str(tmp_path / state)))
+    return ServerThread(app).start()
+
+
+def _send(url, n, **kw):
+    out = []
+    for i in range(n):
+        r = httpx.post(url + "/v1/completions", json={"prompt": f"p{i % 5}", "max_tokens": 8, "temperature": 0, **kw},
+                       timeout=30)
+        out.append(r)
+    return out
+
+
+def _wait_state(url, states, timeout_s=15, traffic=True):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = httpx.get(url + "/admin/rollout", headers=AUTH).json()
+        if st["state"] in states:
+            return st
+        if traffic:
+            _send(url, 4)
+        else:
+            time.sleep(0.05)
+    raise AssertionError(f"rollout stayed {st['state']}: {st.get('last_evaluation')}")
+
+
+def test_rollout_admin_api_promotes_logs_and_resumes(tmp_path):
+    srv = _start(tmp_path)
+    try:
+        u = srv.base_url
+        assert httpx.get(u + "/admin/rollout").status_code == 401
+        assert httpx.get(u + "/admin/rollout", headers=AUTH).json()["state"] == "idle"
+        r = httpx.post(u + "/admin/rollout", headers=AUTH, json={"candidate": "ngram_4", "steps": [5, 50]})
+        assert r.status_code == 400 and "steps[1].percent: the last step must be 100" in r.json()["error"]["message"]
+        r = httpx.post(u + "/admin/rollout", headers=AUTH, json={"candidate": "nope"})
+        assert r.status_code == 400 and "candidate: unknown profile 'nope'" in r.json()["error"]["message"]
+        for action in ("pause", "resume", "promote"):
+            assert httpx.post(u + f"/admin/rollout/{action}", headers=AUTH).status_code == 409
+        assert httpx.post(u + "/admin/rollout/bogus", headers=AUTH).status_code == 404
+        slow = {**FAST, "min_dwell_s": 3600, "steps": [10, 50, 100]}
+        st = httpx.post(u + "/admin/rollout", headers=AUTH, json={"plan": slow}).json()
+        assert st["state"] == "running" and st["weights"] == {"baseline": 90.0, "ngram_4": 10.0}
+        assert httpx.post(u + "/admin/rollout", headers=AUTH, json=slow).status_code == 409
+        r = httpx.put(u + "/admin/weights", headers=AUTH, json={"weights": {"baseline": 1}})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_conflict"
+        _send(u, 12)
+        lines = [json.loads(x) for x in (tmp_path / "req.jsonl").read_text().splitlines()]
+        assert {x["rollout_step"] for x in lines} == {"ngram_4@10%"}
+        assert httpx.post(u + "/admin/rollout/pause", headers=AUTH).json()["state"] == "paused"
+        assert httpx.post(u + "/admin/rollout/promote", headers=AUTH).json()["percent"] == 50
+        metrics = httpx.get(u + "/metrics").text
+        assert 'specserve:rollout_state{state="paused"} 1.0' in metrics and "specserve:rollout_step 1.0" in metrics
+        assert 'specserve:rollout_weight{profile="ngram_4"} 0.5' in metrics
+    finally:
+        srv.stop()
+    # restart over the same state file: same step, still paused, same split
+    srv = _start(tmp_path)
+    try:
+        u = srv.base_url
+        st = httpx.get(u + "/admin/rollout", headers=AUTH).json()
+        assert (st["state"], st["step"], st["percent"]) == ("paused", 1, 50)
+        assert st["history"][-1]["event"] == "restart" and st["weights"]["ngram_4"] == 50
+        assert httpx.post(u + "/admin/rollout/resume", headers=AUTH).json()["state"] == "running"
+        st = httpx.post(u + "/admin/rollback", headers=AUTH).json()
+        assert st["rolled_back"]
+        st = httpx.get(u + "/admin/rollout", headers=AUTH).json()
+        assert st["state"] == "reverted" and "POST /admin/rollback" in st["reason"]
+        assert {r.headers["x-specserve-profile"] for r in _send(u, 5)} == {"baseline"}
+    finally:
+        srv.stop()
+
+
+def test_healthy_candidate_completes_and_failing_candidate_reverts(tmp_path):
+    srv = _start(tmp_path)
+    try:
+        httpx.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
+        st = _wait_state(srv.base_url, ("completed", "reverted"))
+        assert st["state"] == "completed", st["history"]
+        assert [e["event"] for e in st["history"]] == ["start", "complete"]
+        assert {r.headers["x-specserve-profile"] for r in _send(srv.base_url, 4)} == {"ngram_4"}
+    finally:
+        srv.stop()
+    srv = _start(tmp_path, FailingSpecEngine(), state="failing.json")
+    try:
+        httpx.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
+        st = _wait_state(srv.base_url, ("completed", "reverted"))
+        assert st["state"] == "reverted" and "gate error_rate_diff failed" in st["reason"]
+        assert st["history"][-1]["by"] == "controller"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("engine, expect", [(FakeEngine, "completed"), (LossySpecEngine, "reverted")])
+def test_shadow_check_in_the_server(tmp_path, engine, expect):
+    srv = _start(tmp_path, engine())
+    try:
+        plan = {**FAST, "steps": [10, 100], "min_requests": 1, "shadow": {"sample": 1.0, "max_in_flight": 4},
+                "gates": {"p95_e2e_ratio": None, "p95_ttft_ratio": None, "median_tpot_ratio": None}}
+        httpx.post(srv.base_url + "/admin/rollout", headers=AUTH, json=plan).raise_for_status()
+        st = _wait_state(srv.base_url, ("completed", "reverted"))
+        assert st["state"] == expect, st["history"]
+        shadow = [g for g in st["last_evaluation"]["gates"] if g["name"] == "shadow"][0]
+        if expect == "reverted":
+            assert "gate shadow failed" in st["reason"] and "differs at character 3" in st["reason"]
+        else:
+            assert shadow["verdict"] == "pass" and "identical" in shadow["detail"]
+        lines = [json.loads(x) for x in (tmp_path / "req.jsonl").read_text().splitlines()]
+        replays = [x for x in lines if x["profile_reason"] == "shadow"]
+        assert replays and all(x["profile"] == "ngram_4" for x in replays)
+    finally:
+        srv.stop()
