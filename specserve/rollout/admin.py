@@ -47,20 +47,25 @@ def _conflict(e: RolloutConflict) -> APIError:
     return APIError(409, str(e), code="rollout_conflict")
 
 
+def check_admin(request: Request, token: str | None) -> None:
+    """Raise the 403 / 401 APIError unless the request carries the admin bearer token."""
+    if not token:
+        raise APIError(403, "the admin API is disabled: start the server with --admin-token", code="admin_disabled")
+    auth = request.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise APIError(
+            401, "missing or wrong admin token (send Authorization: Bearer <token>)",
+            code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
 def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutController | None = None) -> APIRouter:
     """The /admin routes; without a controller the /admin/rollout routes answer 404."""
     router = APIRouter(prefix="/admin")
 
     def check(request: Request) -> None:
-        if not token:
-            raise APIError(403, "the admin API is disabled: start the server with --admin-token", code="admin_disabled")
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise APIError(
-                401, "missing or wrong admin token (send Authorization: Bearer <token>)",
-                code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"},
-            )
+        check_admin(request, token)
 
     def need_controller() -> RolloutController:
         if controller is None:

@@ -33,10 +33,12 @@ TEXT_FIELDS = ("prompt", "output")
 
 
 class RequestLog:
-    """Append-only JSON-lines writer (thread-safe, flushed per line). `path` None = disabled."""
+    """Append-only JSON-lines writer (thread-safe, flushed per line). `path` None = disabled; `fields` are
+    the keys written, in order (the gateway writes its own set)."""
 
-    def __init__(self, path: str | Path | None, *, log_prompts: bool = False):
+    def __init__(self, path: str | Path | None, *, log_prompts: bool = False, fields: tuple[str, ...] = FIELDS):
         self.path = Path(path) if path else None
+        self.fields = fields
         self.log_prompts = log_prompts
         self._lock = threading.Lock()
         self._fh: IO[str] | None = None
@@ -62,7 +64,7 @@ class RequestLog:
                 logger.exception("request log subscriber failed")
         if self._fh is None:
             return
-        line = {k: record.get(k) for k in FIELDS}
+        line = {k: record.get(k) for k in self.fields}
         if self.log_prompts:
             for k in TEXT_FIELDS:
                 line[k] = record.get(k)

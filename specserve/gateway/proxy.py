@@ -1,0 +1,516 @@
+"""Forwarding one completion request through the gateway: choose, send, retry, stream, record.
+
+Per request: parse the JSON body (400), choose the profile with the rollout policy (sticky on `user`,
+else `x-session-id`; `profile` field / x-specserve-profile only with allow_profile_override, else 403;
+unknown 400), pick a healthy backend of it (when none is left and the profile was drawn, not asked for,
+the request goes to the baseline, logged as profile_reason "unavailable"; otherwise 503), and forward
+the body (the `profile` field removed, `model` rewritten when the backend names one; a stream gets
+`stream_options.include_usage` so the gateway learns the token count, and the added usage chunk is
+not passed on). Retries: a request that fails before the client got its first byte (cannot connect,
+connection lost, or HTTP 502/503/504) is sent to another healthy backend of the same profile, up to
+`retries` more times; a stream is retried only before its response starts. When every try failed,
+the client gets the last backend's own 5xx answer, or 502. A connection failure also ejects the
+backend (passive health check). Streams are passed through event by event as they arrive; when the
+client goes away the backend connection is closed, which makes a specserve or vLLM server abort the
+request (for a non-streamed request a watcher starts after 0.25 s, so that fast requests pay for no
+extra task). Each request yields one `Outcome` for the rollout window, one request-log line (backend,
+profile, config, rollout step, attempts) and its Prometheus series; responses carry
+`x-specserve-profile` and `x-specserve-backend`. Errors are OpenAI-shaped.
+What it does not do: health checks (`backends.py`) or the app and its routes (`app.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from specserve.gateway.backends import Backend
+from specserve.rollout.policy import ProfileForbidden, UnknownProfile
+from specserve.rollout.shadow import outputs_from_body, outputs_from_events
+from specserve.rollout.window import Outcome
+from specserve.server.errors import APIError, error_body
+
+PROFILE_HEADER = "x-specserve-profile"
+BACKEND_HEADER = "x-specserve-backend"
+SESSION_HEADER = "x-session-id"
+RETRY_STATUSES = (502, 503, 504)
+WATCH_AFTER_S = 0.25  # a non-streamed request starts watching for the client's disconnect after this
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+GATEWAY_LOG_FIELDS = (
+    "id", "time", "endpoint", "profile", "profile_reason", "rollout_step", "backend", "config", "kind", "attempts",
+    "model", "stream", "prompt_tokens", "completion_tokens", "ttft_s", "e2e_s", "num_drafts", "num_accepted_tokens",
+    "mean_acceptance_length", "status", "http_status", "error",
+)
+
+
+class _Retry(Exception):
+    """This attempt failed before the client saw a byte; `response` is the backend's own answer, if any."""
+
+    def __init__(self, message: str, response: Response | None = None):
+        super().__init__(message)
+        self.response = response
+
+
+@dataclass
+class Exchange:
+    """One client request as the gateway saw it."""
+
+    rid: str
+    path: str
+    chat: bool
+    raw: bytes
+    body: dict
+    profile: str
+    reason: str
+    step: str | None
+    sticky: str | None
+    t0: float = field(default_factory=time.perf_counter)
+    wall: float = field(default_factory=time.time)
+    attempts: list[str] = field(default_factory=list)
+    backend: Backend | None = None
+    ttft_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    spec: dict | None = None
+    capture: bool = False
+    events: list[dict] = field(default_factory=list)
+    recorded: bool = False
+
+
+def _has_token(ev: dict) -> bool:
+    for c in ev.get("choices") or ():
+        if c.get("text"):
+            return True
+        d = c.get("delta")
+        if d and (d.get("content") or d.get("tool_calls") or d.get("reasoning_content")):
+            return True
+    return False
+
+
+class SSERelay:
+    """Splits a backend's SSE bytes into events, passes them on, and reads TTFT, usage and the
+    `specserve` numbers from them. Drops the usage-only chunk when the client did not ask for usage."""
+
+    def __init__(self, ex: Exchange, drop_usage: bool):
+        self.ex = ex
+        self.drop_usage = drop_usage
+        self.buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.buf += chunk
+        out = []
+        pos = 0
+        for m in _EVENT_END.finditer(self.buf):
+            event = self.buf[pos:m.end()]
+            pos = m.end()
+            if self._observe(event):
+                out.append(event)
+        self.buf = self.buf[pos:]
+        return b"".join(out)
+
+    def _observe(self, event: bytes) -> bool:
+        data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
+        if not data or data == b"[DONE]":
+            return True
+        try:
+            ev = json.loads(data)
+        except ValueError:
+            return True
+        if not isinstance(ev, dict):
+            return True
+        ex = self.ex
+        if ex.ttft_s is None and _has_token(ev):
+            ex.ttft_s = time.perf_counter() - ex.t0
+        if isinstance(ev.get("specserve"), dict):
+            ex.spec = ev["specserve"]
+        if ex.capture:
+            ex.events.append(ev)
+        usage = ev.get("usage")
+        if isinstance(usage, dict):
+            ex.prompt_tokens = usage.get("prompt_tokens")
+            ex.completion_tokens = usage.get("completion_tokens")
+            if self.drop_usage and not ev.get("choices"):
+                return False
+        return True
+
+
+class _RelayStream(StreamingResponse):
+    """StreamingResponse that notices the client's disconnect even while the backend is silent, and
+    always closes the body iterator (which closes the backend connection)."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client is gone
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _DisconnectGuard:
+    """After `delay_s`, watch for the client's disconnect and cancel the handler's task when it comes."""
+
+    def __init__(self, request: Request, delay_s: float = WATCH_AFTER_S):
+        self.request = request
+        self.task = asyncio.current_task()
+        self.fired = False
+        self.watcher: asyncio.Task | None = None
+        self.timer = asyncio.get_running_loop().call_later(delay_s, self._start)
+
+    def _start(self) -> None:
+        self.watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.fired = True
+        self.task.cancel()
+
+    def close(self) -> None:
+        self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    def gone(self) -> bool:
+        """After a CancelledError: True (and the cancellation undone) when the client went away."""
+        if self.fired:
+            self.task.uncancel()
+            return True
+        return False
+
+
+class Proxy:
+    """The forwarding logic over the gateway's parts (`gw`: see `app.Gateway`)."""
+
+    def __init__(self, gw: Any):
+        self.gw = gw
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
+
+    # ---- choosing -------------------------------------------------------------------------------
+
+    async def _exchange(self, request: Request, path: str, chat: bool) -> Exchange:
+        gw = self.gw
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise APIError(499, "client disconnected while sending the request") from None
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        requested = body.get("profile") or request.headers.get(PROFILE_HEADER)
+        if requested is not None and not isinstance(requested, str):
+            raise APIError(400, "profile must be a string", param="profile")
+        sticky = body.get("user") or request.headers.get(SESSION_HEADER)
+        sticky = str(sticky) if sticky else None
+        try:
+            choice = gw.policy.choose(sticky_key=sticky, requested=requested)
+        except ProfileForbidden as e:
+            raise APIError(403, str(e), param="profile", code="profile_override_forbidden") from None
+        except UnknownProfile as e:
+            raise APIError(400, str(e), param="profile", code="unknown_profile") from None
+        profile, reason = choice.profile.name, choice.reason
+        if reason in ("weighted", "sticky") and not gw.pool.has_healthy(profile):
+            fallback = gw.fallback_profile()
+            if fallback != profile and gw.pool.has_healthy(fallback):
+                profile, reason = fallback, "unavailable"
+        rid = request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
+        ex = Exchange(rid=rid, path=path, chat=chat, raw=raw, body=body, profile=profile, reason=reason,
+                      step=choice.step, sticky=sticky)
+        ex.capture = gw.shadow is not None and profile == gw.shadow_baseline() and gw.shadow.wants(body)
+        return ex
+
+    def _upstream(self, ex: Exchange, b: Backend, request: Request) -> httpx.Request:
+        body = ex.body
+        stream = body.get("stream")
+        changed = ("profile" in body or (b.cfg.model and body.get("model") != b.cfg.model)
+                   or (stream and not (body.get("stream_options") or {}).get("include_usage")))
+        if changed:
+            body = {k: v for k, v in body.items() if k != "profile"}
+            if b.cfg.model:
+                body["model"] = b.cfg.model
+            if stream:
+                body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", ex.rid.encode())]
+        auth = f"Bearer {b.cfg.api_key}" if b.cfg.api_key else request.headers.get("authorization")
+        if auth:
+            headers.append((b"authorization", auth.encode()))
+        if b.cfg.profile_header:
+            headers.append((PROFILE_HEADER.encode(), b.cfg.profile_header.encode()))
+        url = self._urls.get((b.name, ex.path))
+        if url is None:
+            url = self._urls[(b.name, ex.path)] = httpx.URL(b.cfg.url + ex.path)
+        return httpx.Request("POST", url, headers=headers, content=json.dumps(body).encode() if changed else ex.raw,
+                             extensions={"timeout": self.gw.timeouts})
+
+    # ---- handling -------------------------------------------------------------------------------
+
+    async def handle(self, request: Request, path: str, chat: bool) -> Response:
+        """The whole handler of POST /v1/completions and /v1/chat/completions. Raises APIError."""
+        try:
+            ex = await self._exchange(request, path, chat)
+        except APIError as e:  # refused before a profile was chosen
+            status = "cancelled" if e.status == 499 else "error"
+            self.gw.metrics.request("none", status, e.status)
+            self.gw.request_log.write({"id": request.headers.get("x-request-id"), "time": time.time(),
+                                       "endpoint": "chat" if chat else "completions", "status": status,
+                                       "http_status": e.status, "error": e.message})
+            raise
+        try:
+            if ex.body.get("stream"):
+                return await self._stream(request, ex)
+            return await self._unary(request, ex)
+        except APIError as e:
+            self._record(ex, "cancelled" if e.status == 499 else "error", e.status, e.message)
+            e.headers.setdefault(PROFILE_HEADER, ex.profile)
+            if ex.backend is not None:
+                e.headers.setdefault(BACKEND_HEADER, ex.backend.name)
+            raise
+
+    def _next_backend(self, ex: Exchange, errors: list[str]) -> Backend:
+        gw = self.gw
+        if len(ex.attempts) > gw.cfg.retries:
+            raise APIError(502, f"every try failed ({'; '.join(errors)})", code="bad_gateway")
+        b = gw.pool.pick(ex.profile, ex.sticky, exclude=ex.attempts)
+        if b is None:
+            if ex.attempts:
+                raise APIError(502, f"no other healthy backend serves profile {ex.profile!r} "
+                                    f"({'; '.join(errors)})", code="bad_gateway")
+            raise APIError(503, f"no healthy backend serves profile {ex.profile!r}", code="no_healthy_backend",
+                           headers={"Retry-After": "1"})
+        ex.attempts.append(b.name)
+        ex.backend = b
+        return b
+
+    def _failed_attempt(self, ex: Exchange, b: Backend, e: BaseException | None, code: int) -> str:
+        gw = self.gw
+        msg = f"{b.name}: {type(e).__name__}: {e}" if e is not None else f"{b.name}: HTTP {code}"
+        gw.metrics.attempt(b.name, ex.profile, "error", code)
+        gw.metrics.retries.labels(backend=b.name).inc()
+        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+            gw.pool.eject(b, f"{type(e).__name__}: {e}")
+        return msg
+
+    async def _send(self, request: Request, ex: Exchange, b: Backend) -> httpx.Response:
+        """Send one attempt and wait for the response head. Raises _Retry for retryable failures."""
+        try:
+            return await self.gw.transport.handle_async_request(self._upstream(ex, b, request))
+        except httpx.TimeoutException as e:
+            if isinstance(e, httpx.ConnectTimeout):
+                raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
+            raise APIError(504, f"backend {b.name} timed out: {e}", code="gateway_timeout") from None
+        except httpx.TransportError as e:
+            raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
+
+    @staticmethod
+    def _passthrough(resp: httpx.Response, content: bytes) -> Response:
+        headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+        return Response(content, status_code=resp.status_code, headers=headers,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    def _give_up(self, ex: Exchange, last: _Retry | None, e: APIError) -> Response:
+        """All tries failed: the last backend's own 5xx answer when there was one, else raise `e`."""
+        if last is None or last.response is None:
+            raise e
+        resp = last.response
+        self._record(ex, "error", resp.status_code, f"every try failed: {e.message}")
+        resp.headers.update({PROFILE_HEADER: ex.profile, BACKEND_HEADER: ex.backend.name, "x-request-id": ex.rid})
+        return resp
+
+    def _headers(self, ex: Exchange) -> dict[str, str]:
+        h = {PROFILE_HEADER: ex.profile, BACKEND_HEADER: ex.backend.name, "x-request-id": ex.rid}
+        if ex.reason == "unavailable":
+            h["x-specserve-profile-reason"] = "unavailable"
+        return h
+
+    def _busy(self, b: Backend, delta: int) -> None:
+        b.in_flight += delta
+        self.gw.metrics.busy(b.name, delta)
+
+    async def _attempt(self, request: Request, ex: Exchange, b: Backend) -> tuple[httpx.Response, bytes]:
+        self._busy(b, 1)
+        try:
+            resp = await self._send(request, ex, b)
+            try:
+                content = await resp.aread()
+            except httpx.TimeoutException as e:
+                raise APIError(504, f"backend {b.name} timed out: {e}", code="gateway_timeout") from None
+            except httpx.TransportError as e:  # lost mid-response: the client has seen nothing yet
+                raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
+            finally:
+                await resp.aclose()
+        finally:
+            self._busy(b, -1)
+        if resp.status_code in RETRY_STATUSES:
+            raise _Retry(self._failed_attempt(ex, b, None, resp.status_code), self._passthrough(resp, content))
+        return resp, content
+
+    async def _unary(self, request: Request, ex: Exchange) -> Response:
+        gw = self.gw
+        errors: list[str] = []
+        waited = 0.0
+        last: _Retry | None = None
+        guard = _DisconnectGuard(request)
+        try:
+            while True:
+                try:
+                    b = self._next_backend(ex, errors)
+                except APIError as e:
+                    return self._give_up(ex, last, e)
+                t_send = time.perf_counter()
+                try:
+                    resp, content = await self._attempt(request, ex, b)
+                    break
+                except _Retry as e:
+                    errors.append(str(e))
+                    last = e
+                finally:
+                    waited += time.perf_counter() - t_send
+        except asyncio.CancelledError:
+            if guard.gone():
+                raise APIError(499, "client disconnected") from None
+            raise
+        finally:
+            guard.close()
+        code = resp.status_code
+        gw.metrics.child(gw.metrics.backend_latency, b.name).observe(time.perf_counter() - t_send)
+        gw.metrics.attempt(b.name, ex.profile, "ok" if code == 200 else "error", code)
+        if code == 200:
+            try:
+                data = json.loads(content)
+                usage = data.get("usage") or {}
+                ex.prompt_tokens, ex.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                ex.spec = data.get("specserve") if isinstance(data.get("specserve"), dict) else None
+                if ex.capture:
+                    gw.shadow.submit(ex.path, ex.body, ex.profile, outputs_from_body(data, ex.chat), ex.rid)
+            except (ValueError, AttributeError):
+                pass
+        self._record(ex, "ok" if code == 200 else "error", code,
+                     None if code == 200 else content[:300].decode("utf-8", "replace"))
+        out = Response(content, status_code=code, headers=self._headers(ex),
+                       media_type=resp.headers.get("content-type", "application/json"))
+        gw.metrics.overhead.observe(max(0.0, time.perf_counter() - ex.t0 - waited))
+        return out
+
+    async def _stream(self, request: Request, ex: Exchange) -> Response:
+        gw = self.gw
+        errors: list[str] = []
+        last: _Retry | None = None
+        guard = _DisconnectGuard(request)
+        try:
+            while True:
+                try:
+                    b = self._next_backend(ex, errors)
+                except APIError as e:
+                    return self._give_up(ex, last, e)
+                t_send = time.perf_counter()
+                try:
+                    resp = await self._send(request, ex, b)
+                except _Retry as e:
+                    errors.append(str(e))
+                    last = e
+                    continue
+                if resp.status_code == 200:
+                    break
+                try:
+                    content = await resp.aread()
+                except httpx.HTTPError as e:
+                    content = f"reading the error body failed: {e}".encode()
+                finally:
+                    await resp.aclose()
+                if resp.status_code in RETRY_STATUSES:
+                    last = _Retry(self._failed_attempt(ex, b, None, resp.status_code),
+                                  self._passthrough(resp, content))
+                    errors.append(str(last))
+                    continue
+                gw.metrics.attempt(b.name, ex.profile, "error", resp.status_code)
+                self._record(ex, "error", resp.status_code, content[:300].decode("utf-8", "replace"))
+                return Response(content, status_code=resp.status_code, headers=self._headers(ex),
+                                media_type=resp.headers.get("content-type", "application/json"))
+        except asyncio.CancelledError:
+            if guard.gone():
+                raise APIError(499, "client disconnected") from None
+            raise
+        finally:
+            guard.close()
+        wanted_usage = bool((ex.body.get("stream_options") or {}).get("include_usage"))
+        relay = SSERelay(ex, drop_usage=not wanted_usage)
+        headers = {**self._headers(ex), "cache-control": "no-cache", "x-accel-buffering": "no"}
+        return _RelayStream(self._relay(ex, b, resp, relay, t_send), headers=headers,
+                            media_type=resp.headers.get("content-type", "text/event-stream"))
+
+    async def _relay(self, ex: Exchange, b: Backend, resp: httpx.Response, relay: SSERelay, t_send: float):
+        gw = self.gw
+        status, code, error = "cancelled", 499, "client disconnected"
+        self._busy(b, 1)
+        try:
+            async for chunk in resp.aiter_raw():
+                out = relay.feed(chunk)
+                if out:
+                    yield out
+            if relay.buf:
+                yield relay.buf
+            status, code, error = "ok", 200, None
+        except (httpx.TransportError, httpx.TimeoutException) as e:
+            status, code, error = "error", 502, f"backend {b.name} failed mid-stream: {type(e).__name__}: {e}"
+            yield f"data: {json.dumps(error_body(502, error, code='bad_gateway'))}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            self._busy(b, -1)
+            await resp.aclose()
+            gw.metrics.child(gw.metrics.backend_latency, b.name).observe(time.perf_counter() - t_send)
+            gw.metrics.attempt(b.name, ex.profile, status, code)
+            self._record(ex, status, code, error)
+            if status == "ok" and ex.capture:
+                gw.shadow.submit(ex.path, ex.body, ex.profile, outputs_from_events(ex.events, ex.chat), ex.rid)
+
+    # ---- recording ------------------------------------------------------------------------------
+
+    def _record(self, ex: Exchange, status: str, code: int, error: str | None) -> None:
+        if ex.recorded:
+            return
+        ex.recorded = True
+        gw = self.gw
+        e2e = time.perf_counter() - ex.t0
+        spec = ex.spec or {}
+        drafts = int(spec.get("num_drafts") or 0)
+        accepted = int(spec.get("num_accepted_tokens") or 0)
+        completion = int(ex.completion_tokens or 0)
+        gw.metrics.finished(ex.profile, status, code, e2e, ex.ttft_s, int(ex.prompt_tokens or 0), completion)
+        if status == "ok" and (ex.backend is None or ex.backend.cfg.kind != "vllm"):  # vLLM's: from its /metrics
+            gw.metrics.spec(ex.profile, drafts, int(spec.get("num_draft_tokens") or 0), accepted)
+        gw.window.add(Outcome(t=ex.wall + e2e, profile=ex.profile, status=status, code=code,
+                              e2e_s=e2e if status == "ok" else None, ttft_s=ex.ttft_s,
+                              completion_tokens=completion, num_drafts=drafts, num_accepted_tokens=accepted))
+        if gw.request_log.enabled:
+            b = ex.backend
+            gw.request_log.write({
+                "id": ex.rid, "time": ex.wall, "endpoint": "chat" if ex.chat else "completions",
+                "profile": ex.profile, "profile_reason": ex.reason, "rollout_step": ex.step,
+                "backend": b.name if b else None, "config": gw.cfg.profiles.get(ex.profile),
+                "kind": b.cfg.kind if b else None, "attempts": ex.attempts, "model": ex.body.get("model"),
+                "stream": bool(ex.body.get("stream")), "prompt_tokens": ex.prompt_tokens,
+                "completion_tokens": ex.completion_tokens, "ttft_s": ex.ttft_s, "e2e_s": e2e,
+                "num_drafts": drafts, "num_accepted_tokens": accepted,
+                "mean_acceptance_length": spec.get("mean_acceptance_length"), "status": status, "http_status": code,
+                "error": error,
+            })
