@@ -93,10 +93,11 @@ def format_status(st: dict) -> str:
     """The status of GET /admin/rollout as readable lines: headline, weights, gates, sides, history."""
     lines = []
     weights = ", ".join(f"{n} {100 * f:.4g}%" for n, f in st["fractions"].items() if f > 0)
+    if st["reverted_to_baseline"]:
+        weights += " (reverted to baseline)"
     plan = st.get("plan")
     if not plan:
-        lines.append(f"no staged rollout; traffic: {weights}" + (" (reverted to baseline)"
-                                                                 if st["reverted_to_baseline"] else ""))
+        lines.append(f"no staged rollout; traffic: {weights}")
     else:
         head = (f"rollout of {plan['candidate']} vs {plan['baseline']}: {st['state']}, step {st['step'] + 1}/"
                 f"{st['num_steps']} ({st['percent']:g}%)")

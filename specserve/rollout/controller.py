@@ -167,7 +167,7 @@ class RolloutController:
             self.last_evaluation = None
             self._apply_step()
             self._event("start", by, f"{plan.candidate} vs {plan.baseline}, steps "
-                                     f"{[s.percent for s in plan.steps]}", digest=plan.digest)
+                                     f"{', '.join(f'{s.percent:g}%' for s in plan.steps)}", digest=plan.digest)
             self._save()
             logger.warning("rollout: started %s at %s", plan.candidate, self.step_label())
             return self.status()
