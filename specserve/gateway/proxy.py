@@ -122,13 +122,16 @@ class SSERelay:
         data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
         if not data or data == b"[DONE]":
             return True
+        ex = self.ex
+        if (ex.ttft_s is not None and not ex.capture and b'"specserve"' not in data
+                and (b'"usage"' not in data or b'"usage":null' in data or b'"usage": null' in data)):
+            return True  # a middle event: nothing to learn from it, pass it on unparsed
         try:
             ev = json.loads(data)
         except ValueError:
             return True
         if not isinstance(ev, dict):
             return True
-        ex = self.ex
         if ex.ttft_s is None and _has_token(ev):
             ex.ttft_s = time.perf_counter() - ex.t0
         if isinstance(ev.get("specserve"), dict):
