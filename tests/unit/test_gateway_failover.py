@@ -92,6 +92,14 @@ def test_streaming_pass_through_usage_and_disconnect(tmp_path):
                          json={**body, "stream_options": {"include_usage": True}}) as r:
             raw = r.read()
         assert b'"usage"' in raw  # asked for: passed on
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
+        with HTTP.stream("POST", gw.base_url + "/v1/chat/completions", json=chat) as r:
+            raw = r.read()
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in raw.decode().split("\n\n")
+                  if x.startswith("data: {")]
+        assert deltas[0] == {"role": "assistant", "content": ""} and len(deltas) == 7
+        r = HTTP.post(gw.base_url + "/v1/chat/completions", json={**chat, "stream": False})
+        assert r.json()["choices"][0]["message"]["content"] == "".join(d.get("content", "") for d in deltas)
         # a client that leaves mid-stream: the backend's stream is closed too
         before = states["b1"].disconnects
         with httpx.Client(timeout=10) as c, c.stream("POST", gw.base_url + "/v1/completions",
@@ -101,6 +109,7 @@ def test_streaming_pass_through_usage_and_disconnect(tmp_path):
         wait_for(lambda: states["b1"].disconnects == before + 1, timeout_s=3)
         lines = [json.loads(x) for x in (tmp_path / "gw.jsonl").read_text().splitlines()]
         assert lines[0]["status"] == "ok" and lines[0]["ttft_s"] > 0 and lines[0]["completion_tokens"] == 6
+        assert lines[2]["endpoint"] == "chat" and 0 < lines[2]["ttft_s"] < lines[2]["e2e_s"]
         wait_for(lambda: "cancelled" in (tmp_path / "gw.jsonl").read_text(), timeout_s=3)
         # a non-streamed request whose client gives up is recorded as cancelled (499) as well
         states["b1"].delay_s = 2.0

@@ -46,19 +46,22 @@ def _start(tmp_path, engine=None, state="state.json"):
     return ServerThread(app).start()
 
 
+HTTP = httpx.Client(timeout=30)
+
+
 def _send(url, n, **kw):
+    """n greedy requests, every other one streamed (the shadow check captures both kinds)."""
     out = []
     for i in range(n):
-        r = httpx.post(url + "/v1/completions", json={"prompt": f"p{i % 5}", "max_tokens": 8, "temperature": 0, **kw},
-                       timeout=30)
-        out.append(r)
+        body = {"prompt": f"p{i % 5}", "max_tokens": 8, "temperature": 0, "stream": i % 2 == 1, **kw}
+        out.append(HTTP.post(url + "/v1/completions", json=body))
     return out
 
 
 def _wait_state(url, states, timeout_s=15, traffic=True):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        st = httpx.get(url + "/admin/rollout", headers=AUTH).json()
+        st = HTTP.get(url + "/admin/rollout", headers=AUTH).json()
         if st["state"] in states:
             return st
         if traffic:
@@ -72,27 +75,27 @@ def test_rollout_admin_api_promotes_logs_and_resumes(tmp_path):
     srv = _start(tmp_path)
     try:
         u = srv.base_url
-        assert httpx.get(u + "/admin/rollout").status_code == 401
-        assert httpx.get(u + "/admin/rollout", headers=AUTH).json()["state"] == "idle"
-        r = httpx.post(u + "/admin/rollout", headers=AUTH, json={"candidate": "ngram_4", "steps": [5, 50]})
+        assert HTTP.get(u + "/admin/rollout").status_code == 401
+        assert HTTP.get(u + "/admin/rollout", headers=AUTH).json()["state"] == "idle"
+        r = HTTP.post(u + "/admin/rollout", headers=AUTH, json={"candidate": "ngram_4", "steps": [5, 50]})
         assert r.status_code == 400 and "steps[1].percent: the last step must be 100" in r.json()["error"]["message"]
-        r = httpx.post(u + "/admin/rollout", headers=AUTH, json={"candidate": "nope"})
+        r = HTTP.post(u + "/admin/rollout", headers=AUTH, json={"candidate": "nope"})
         assert r.status_code == 400 and "candidate: unknown profile 'nope'" in r.json()["error"]["message"]
         for action in ("pause", "resume", "promote"):
-            assert httpx.post(u + f"/admin/rollout/{action}", headers=AUTH).status_code == 409
-        assert httpx.post(u + "/admin/rollout/bogus", headers=AUTH).status_code == 404
+            assert HTTP.post(u + f"/admin/rollout/{action}", headers=AUTH).status_code == 409
+        assert HTTP.post(u + "/admin/rollout/bogus", headers=AUTH).status_code == 404
         slow = {**FAST, "min_dwell_s": 3600, "steps": [10, 50, 100]}
-        st = httpx.post(u + "/admin/rollout", headers=AUTH, json={"plan": slow}).json()
+        st = HTTP.post(u + "/admin/rollout", headers=AUTH, json={"plan": slow}).json()
         assert st["state"] == "running" and st["weights"] == {"baseline": 90.0, "ngram_4": 10.0}
-        assert httpx.post(u + "/admin/rollout", headers=AUTH, json=slow).status_code == 409
-        r = httpx.put(u + "/admin/weights", headers=AUTH, json={"weights": {"baseline": 1}})
+        assert HTTP.post(u + "/admin/rollout", headers=AUTH, json=slow).status_code == 409
+        r = HTTP.put(u + "/admin/weights", headers=AUTH, json={"weights": {"baseline": 1}})
         assert r.status_code == 409 and r.json()["error"]["code"] == "rollout_conflict"
         _send(u, 12)
         lines = [json.loads(x) for x in (tmp_path / "req.jsonl").read_text().splitlines()]
         assert {x["rollout_step"] for x in lines} == {"ngram_4@10%"}
-        assert httpx.post(u + "/admin/rollout/pause", headers=AUTH).json()["state"] == "paused"
-        assert httpx.post(u + "/admin/rollout/promote", headers=AUTH).json()["percent"] == 50
-        metrics = httpx.get(u + "/metrics").text
+        assert HTTP.post(u + "/admin/rollout/pause", headers=AUTH).json()["state"] == "paused"
+        assert HTTP.post(u + "/admin/rollout/promote", headers=AUTH).json()["percent"] == 50
+        metrics = HTTP.get(u + "/metrics").text
         assert 'specserve:rollout_state{state="paused"} 1.0' in metrics and "specserve:rollout_step 1.0" in metrics
         assert 'specserve:rollout_weight{profile="ngram_4"} 0.5' in metrics
     finally:
@@ -101,13 +104,13 @@ def test_rollout_admin_api_promotes_logs_and_resumes(tmp_path):
     srv = _start(tmp_path)
     try:
         u = srv.base_url
-        st = httpx.get(u + "/admin/rollout", headers=AUTH).json()
+        st = HTTP.get(u + "/admin/rollout", headers=AUTH).json()
         assert (st["state"], st["step"], st["percent"]) == ("paused", 1, 50)
         assert st["history"][-1]["event"] == "restart" and st["weights"]["ngram_4"] == 50
-        assert httpx.post(u + "/admin/rollout/resume", headers=AUTH).json()["state"] == "running"
-        st = httpx.post(u + "/admin/rollback", headers=AUTH).json()
+        assert HTTP.post(u + "/admin/rollout/resume", headers=AUTH).json()["state"] == "running"
+        st = HTTP.post(u + "/admin/rollback", headers=AUTH).json()
         assert st["rolled_back"]
-        st = httpx.get(u + "/admin/rollout", headers=AUTH).json()
+        st = HTTP.get(u + "/admin/rollout", headers=AUTH).json()
         assert st["state"] == "reverted" and "POST /admin/rollback" in st["reason"]
         assert {r.headers["x-specserve-profile"] for r in _send(u, 5)} == {"baseline"}
     finally:
@@ -117,7 +120,7 @@ def test_rollout_admin_api_promotes_logs_and_resumes(tmp_path):
 def test_healthy_candidate_completes_and_failing_candidate_reverts(tmp_path):
     srv = _start(tmp_path)
     try:
-        httpx.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
+        HTTP.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
         st = _wait_state(srv.base_url, ("completed", "reverted"))
         assert st["state"] == "completed", st["history"]
         assert [e["event"] for e in st["history"]] == ["start", "complete"]
@@ -126,7 +129,7 @@ def test_healthy_candidate_completes_and_failing_candidate_reverts(tmp_path):
         srv.stop()
     srv = _start(tmp_path, FailingSpecEngine(), state="failing.json")
     try:
-        httpx.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
+        HTTP.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
         st = _wait_state(srv.base_url, ("completed", "reverted"))
         assert st["state"] == "reverted" and "gate error_rate_diff failed" in st["reason"]
         assert st["history"][-1]["by"] == "controller"
@@ -140,7 +143,7 @@ def test_shadow_check_in_the_server(tmp_path, engine, expect):
     try:
         plan = {**FAST, "steps": [10, 100], "min_requests": 1, "shadow": {"sample": 1.0, "max_in_flight": 4},
                 "gates": {"p95_e2e_ratio": None, "p95_ttft_ratio": None, "median_tpot_ratio": None}}
-        httpx.post(srv.base_url + "/admin/rollout", headers=AUTH, json=plan).raise_for_status()
+        HTTP.post(srv.base_url + "/admin/rollout", headers=AUTH, json=plan).raise_for_status()
         st = _wait_state(srv.base_url, ("completed", "reverted"))
         assert st["state"] == expect, st["history"]
         shadow = [g for g in st["last_evaluation"]["gates"] if g["name"] == "shadow"][0]
