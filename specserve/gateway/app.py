@@ -28,7 +28,8 @@ from specserve.config import ConfigError
 from specserve.gateway.backends import Backend, BackendPool, HealthChecker
 from specserve.gateway.config import FleetConfig, load_fleet
 from specserve.gateway.metrics import GatewayMetrics
-from specserve.gateway.proxy import GATEWAY_LOG_FIELDS, Proxy
+from specserve.gateway.exchange import GATEWAY_LOG_FIELDS
+from specserve.gateway.proxy import Proxy
 from specserve.metrics.prometheus import CONTENT_TYPE
 from specserve.rollout.admin import admin_router, check_admin
 from specserve.rollout.policy import RolloutPolicy

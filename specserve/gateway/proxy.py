@@ -23,34 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import httpx
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from specserve.gateway.backends import Backend
+from specserve.gateway.exchange import Exchange, record_exchange
+from specserve.gateway.streaming import DisconnectGuard, RelayStream, SSERelay
 from specserve.rollout.policy import ProfileForbidden, UnknownProfile
 from specserve.rollout.shadow import outputs_from_body, outputs_from_events
-from specserve.rollout.window import Outcome
 from specserve.server.errors import APIError, error_body
 
 PROFILE_HEADER = "x-specserve-profile"
 BACKEND_HEADER = "x-specserve-backend"
 SESSION_HEADER = "x-session-id"
 RETRY_STATUSES = (502, 503, 504)
-WATCH_AFTER_S = 0.25  # a non-streamed request starts watching for the client's disconnect after this
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
-GATEWAY_LOG_FIELDS = (
-    "id", "time", "endpoint", "profile", "profile_reason", "rollout_step", "backend", "config", "kind", "attempts",
-    "model", "stream", "prompt_tokens", "completion_tokens", "ttft_s", "e2e_s", "num_drafts", "num_accepted_tokens",
-    "mean_acceptance_length", "status", "http_status", "error",
-)
 
 
 class _Retry(Exception):
@@ -59,145 +50,6 @@ class _Retry(Exception):
     def __init__(self, message: str, response: Response | None = None):
         super().__init__(message)
         self.response = response
-
-
-@dataclass
-class Exchange:
-    """One client request as the gateway saw it."""
-
-    rid: str
-    path: str
-    chat: bool
-    raw: bytes
-    body: dict
-    profile: str
-    reason: str
-    step: str | None
-    sticky: str | None
-    t0: float = field(default_factory=time.perf_counter)
-    wall: float = field(default_factory=time.time)
-    attempts: list[str] = field(default_factory=list)
-    backend: Backend | None = None
-    ttft_s: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    spec: dict | None = None
-    capture: bool = False
-    events: list[dict] = field(default_factory=list)
-    recorded: bool = False
-
-
-def _has_token(ev: dict) -> bool:
-    for c in ev.get("choices") or ():
-        if c.get("text"):
-            return True
-        d = c.get("delta")
-        if d and (d.get("content") or d.get("tool_calls") or d.get("reasoning_content")):
-            return True
-    return False
-
-
-class SSERelay:
-    """Splits a backend's SSE bytes into events, passes them on, and reads TTFT, usage and the
-    `specserve` numbers from them. Drops the usage-only chunk when the client did not ask for usage."""
-
-    def __init__(self, ex: Exchange, drop_usage: bool):
-        self.ex = ex
-        self.drop_usage = drop_usage
-        self.buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        self.buf += chunk
-        out = []
-        pos = 0
-        for m in _EVENT_END.finditer(self.buf):
-            event = self.buf[pos:m.end()]
-            pos = m.end()
-            if self._observe(event):
-                out.append(event)
-        self.buf = self.buf[pos:]
-        return b"".join(out)
-
-    def _observe(self, event: bytes) -> bool:
-        data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
-        if not data or data == b"[DONE]":
-            return True
-        ex = self.ex
-        if (ex.ttft_s is not None and not ex.capture and b'"specserve"' not in data
-                and (b'"usage"' not in data or b'"usage":null' in data or b'"usage": null' in data)):
-            return True  # a middle event: nothing to learn from it, pass it on unparsed
-        try:
-            ev = json.loads(data)
-        except ValueError:
-            return True
-        if not isinstance(ev, dict):
-            return True
-        if ex.ttft_s is None and _has_token(ev):
-            ex.ttft_s = time.perf_counter() - ex.t0
-        if isinstance(ev.get("specserve"), dict):
-            ex.spec = ev["specserve"]
-        if ex.capture:
-            ex.events.append(ev)
-        usage = ev.get("usage")
-        if isinstance(usage, dict):
-            ex.prompt_tokens = usage.get("prompt_tokens")
-            ex.completion_tokens = usage.get("completion_tokens")
-            if self.drop_usage and not ev.get("choices"):
-                return False
-        return True
-
-
-class _RelayStream(StreamingResponse):
-    """StreamingResponse that notices the client's disconnect even while the backend is silent, and
-    always closes the body iterator (which closes the backend connection)."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream():
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client is gone
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()
-
-
-class _DisconnectGuard:
-    """After `delay_s`, watch for the client's disconnect and cancel the handler's task when it comes."""
-
-    def __init__(self, request: Request, delay_s: float = WATCH_AFTER_S):
-        self.request = request
-        self.task = asyncio.current_task()
-        self.fired = False
-        self.watcher: asyncio.Task | None = None
-        self.timer = asyncio.get_running_loop().call_later(delay_s, self._start)
-
-    def _start(self) -> None:
-        self.watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while (await self.request.receive())["type"] != "http.disconnect":
-            pass
-        self.fired = True
-        self.task.cancel()
-
-    def close(self) -> None:
-        self.timer.cancel()
-        if self.watcher is not None:
-            self.watcher.cancel()
-
-    def gone(self) -> bool:
-        """After a CancelledError: True (and the cancellation undone) when the client went away."""
-        if self.fired:
-            self.task.uncancel()
-            return True
-        return False
 
 
 class Proxy:
@@ -284,7 +136,7 @@ class Proxy:
                 return await self._stream(request, ex)
             return await self._unary(request, ex)
         except APIError as e:
-            self._record(ex, "cancelled" if e.status == 499 else "error", e.status, e.message)
+            record_exchange(self.gw, ex, "cancelled" if e.status == 499 else "error", e.status, e.message)
             e.headers.setdefault(PROFILE_HEADER, ex.profile)
             if ex.backend is not None:
                 e.headers.setdefault(BACKEND_HEADER, ex.backend.name)
@@ -336,7 +188,7 @@ class Proxy:
         if last is None or last.response is None:
             raise e
         resp = last.response
-        self._record(ex, "error", resp.status_code, f"every try failed: {e.message}")
+        record_exchange(self.gw, ex, "error", resp.status_code, f"every try failed: {e.message}")
         resp.headers.update({PROFILE_HEADER: ex.profile, BACKEND_HEADER: ex.backend.name, "x-request-id": ex.rid})
         return resp
 
@@ -373,7 +225,7 @@ class Proxy:
         errors: list[str] = []
         waited = 0.0
         last: _Retry | None = None
-        guard = _DisconnectGuard(request)
+        guard = DisconnectGuard(request)
         try:
             while True:
                 try:
@@ -408,7 +260,7 @@ class Proxy:
                     gw.shadow.submit(ex.path, ex.body, ex.profile, outputs_from_body(data, ex.chat), ex.rid)
             except (ValueError, AttributeError):
                 pass
-        self._record(ex, "ok" if code == 200 else "error", code,
+        record_exchange(self.gw, ex, "ok" if code == 200 else "error", code,
                      None if code == 200 else content[:300].decode("utf-8", "replace"))
         out = Response(content, status_code=code, headers=self._headers(ex),
                        media_type=resp.headers.get("content-type", "application/json"))
@@ -419,7 +271,7 @@ class Proxy:
         gw = self.gw
         errors: list[str] = []
         last: _Retry | None = None
-        guard = _DisconnectGuard(request)
+        guard = DisconnectGuard(request)
         try:
             while True:
                 try:
@@ -447,7 +299,7 @@ class Proxy:
                     errors.append(str(last))
                     continue
                 gw.metrics.attempt(b.name, ex.profile, "error", resp.status_code)
-                self._record(ex, "error", resp.status_code, content[:300].decode("utf-8", "replace"))
+                record_exchange(self.gw, ex, "error", resp.status_code, content[:300].decode("utf-8", "replace"))
                 return Response(content, status_code=resp.status_code, headers=self._headers(ex),
                                 media_type=resp.headers.get("content-type", "application/json"))
         except asyncio.CancelledError:
@@ -459,7 +311,7 @@ class Proxy:
         wanted_usage = bool((ex.body.get("stream_options") or {}).get("include_usage"))
         relay = SSERelay(ex, drop_usage=not wanted_usage)
         headers = {**self._headers(ex), "cache-control": "no-cache", "x-accel-buffering": "no"}
-        return _RelayStream(self._relay(ex, b, resp, relay, t_send), headers=headers,
+        return RelayStream(self._relay(ex, b, resp, relay, t_send), headers=headers,
                             media_type=resp.headers.get("content-type", "text/event-stream"))
 
     async def _relay(self, ex: Exchange, b: Backend, resp: httpx.Response, relay: SSERelay, t_send: float):
@@ -482,38 +334,6 @@ class Proxy:
             await resp.aclose()
             gw.metrics.child(gw.metrics.backend_latency, b.name).observe(time.perf_counter() - t_send)
             gw.metrics.attempt(b.name, ex.profile, status, code)
-            self._record(ex, status, code, error)
+            record_exchange(self.gw, ex, status, code, error)
             if status == "ok" and ex.capture:
                 gw.shadow.submit(ex.path, ex.body, ex.profile, outputs_from_events(ex.events, ex.chat), ex.rid)
-
-    # ---- recording ------------------------------------------------------------------------------
-
-    def _record(self, ex: Exchange, status: str, code: int, error: str | None) -> None:
-        if ex.recorded:
-            return
-        ex.recorded = True
-        gw = self.gw
-        e2e = time.perf_counter() - ex.t0
-        spec = ex.spec or {}
-        drafts = int(spec.get("num_drafts") or 0)
-        accepted = int(spec.get("num_accepted_tokens") or 0)
-        completion = int(ex.completion_tokens or 0)
-        gw.metrics.finished(ex.profile, status, code, e2e, ex.ttft_s, int(ex.prompt_tokens or 0), completion)
-        if status == "ok" and (ex.backend is None or ex.backend.cfg.kind != "vllm"):  # vLLM's: from its /metrics
-            gw.metrics.spec(ex.profile, drafts, int(spec.get("num_draft_tokens") or 0), accepted)
-        gw.window.add(Outcome(t=ex.wall + e2e, profile=ex.profile, status=status, code=code,
-                              e2e_s=e2e if status == "ok" else None, ttft_s=ex.ttft_s,
-                              completion_tokens=completion, num_drafts=drafts, num_accepted_tokens=accepted))
-        if gw.request_log.enabled:
-            b = ex.backend
-            gw.request_log.write({
-                "id": ex.rid, "time": ex.wall, "endpoint": "chat" if ex.chat else "completions",
-                "profile": ex.profile, "profile_reason": ex.reason, "rollout_step": ex.step,
-                "backend": b.name if b else None, "config": gw.cfg.profiles.get(ex.profile),
-                "kind": b.cfg.kind if b else None, "attempts": ex.attempts, "model": ex.body.get("model"),
-                "stream": bool(ex.body.get("stream")), "prompt_tokens": ex.prompt_tokens,
-                "completion_tokens": ex.completion_tokens, "ttft_s": ex.ttft_s, "e2e_s": e2e,
-                "num_drafts": drafts, "num_accepted_tokens": accepted,
-                "mean_acceptance_length": spec.get("mean_acceptance_length"), "status": status, "http_status": code,
-                "error": error,
-            })

@@ -142,6 +142,7 @@ class RolloutController:
             raise ConfigError(f"rollout state file {self.state_path}: saved traffic split does not fit these "
                               f"profiles: {e}") from None
         self.plan, self.rollout, self.history = plan, rollout, history
+        self._size_window()
         if self.active:
             self.next_evaluation_at = self.clock() + self.plan.interval_s
             self._event("restart", "controller", f"resumed {self.state} at step {rollout['step'] + 1}/"
@@ -161,6 +162,7 @@ class RolloutController:
             plan.check_profiles(self.policy.profiles)
             now = self.clock()
             self.plan = plan
+            self._size_window()
             self.rollout = {"plan": plan.to_dict(), "digest": plan.digest, "state": "running", "step": 0,
                             "started_at": now, "step_started_at": now, "paused_at": None, "paused_s": 0.0,
                             "ended_at": None, "reason": ""}
@@ -171,6 +173,11 @@ class RolloutController:
             self._save()
             logger.warning("rollout: started %s at %s", plan.candidate, self.step_label())
             return self.status()
+
+    def _size_window(self) -> None:
+        """Keep outcomes as long as the plan's window needs them (memory stays bounded by traffic x window)."""
+        if self.plan is not None:
+            self.window.horizon_s = self.plan.window_s + 2 * self.plan.interval_s
 
     def _apply_step(self) -> None:
         i = self.rollout["step"]
@@ -285,8 +292,8 @@ class RolloutController:
             await asyncio.sleep(poll_s)
             due = self.next_evaluation_at
             if self.state == "running" and due is not None and self.clock() >= due:
-                try:
-                    self.tick()
+                try:  # off the event loop: sorting a busy window's latencies takes milliseconds
+                    await asyncio.to_thread(self.tick)
                 except Exception:  # noqa: BLE001 - one bad evaluation must not end the loop
                     logger.exception("rollout: evaluation failed")
 

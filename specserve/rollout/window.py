@@ -60,7 +60,7 @@ def outcome_from_record(rec: dict[str, Any], t: float) -> Outcome | None:
 class OutcomeWindow:
     """Recent outcomes, acceptance samples and shadow results (see the module docstring)."""
 
-    def __init__(self, horizon_s: float = 3600.0, clock: Callable[[], float] = time.time):
+    def __init__(self, horizon_s: float = 600.0, clock: Callable[[], float] = time.time):
         self.horizon_s = horizon_s
         self.clock = clock
         self._lock = threading.Lock()
