@@ -127,3 +127,15 @@ def test_error_shapes_and_overrides():
         r = _post(gw, {"prompt": "x", "profile": "ngram"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend"
         assert r.headers["retry-after"] == "1"
+
+
+def test_gateway_cli_bad_config_is_one_line(tmp_path, capsys):
+    from specserve.cli import main
+
+    f = tmp_path / "fleet.yaml"
+    f.write_text("backends: [{name: b1, url: 'http://127.0.0.1:1', profile: ngram}]\n")
+    assert main(["gateway", "--config", str(f), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specserve: error: backends: no backend serves the profile") and "\n" not in err
+    assert main(["gateway", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read fleet config" in capsys.readouterr().err
