@@ -94,9 +94,9 @@ class Gateway:
         if not up:
             self.metrics.ejections.labels(backend=b.name).inc()
 
-    def _acceptance(self, b: Backend, drafts: int, accepted: int) -> None:
+    def _acceptance(self, b: Backend, drafts: int, draft_tokens: int, accepted: int) -> None:
         self.window.add_acceptance(b.cfg.profile, drafts, accepted)
-        self.metrics.spec(b.cfg.profile, drafts, 0, accepted)
+        self.metrics.spec(b.cfg.profile, drafts, draft_tokens, accepted)
 
     def fallback_profile(self) -> str:
         c = self.rollout.controller

@@ -8,7 +8,8 @@ checks every backend every `interval_s` (GET url + health.path, 200 = good): `un
 consecutive failures eject it (no new requests), `healthy_after` good checks return it. A request that
 cannot connect to a backend ejects it at once (passive check); the loop returns it when it answers.
 For `kind: vllm` backends each good check also reads the speculation counters from /metrics
-(vllm:spec_decode_num_drafts / _num_accepted_tokens, summed over labels) and reports their increase,
+(vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens, summed over labels) and
+reports their increase,
 since vLLM gives acceptance only there. A backend's model ids (GET /v1/models) are read once.
 What it does not do: forward requests (`proxy.py`) or choose the profile (the rollout policy does).
 """
@@ -31,6 +32,7 @@ from specserve.rollout.policy import stable_unit
 
 logger = logging.getLogger("specserve.gateway")
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
@@ -47,7 +49,7 @@ class Backend:
     ejected_at: float | None = None
     last_error: str = ""
     models: list[str] = field(default_factory=list)
-    spec_counts: tuple[float, float] | None = None  # last scraped (drafts, accepted) of a vLLM backend
+    spec_counts: tuple[float, float, float] | None = None  # last scraped (drafts, draft tokens, accepted), vLLM
 
     @property
     def name(self) -> str:
@@ -126,10 +128,10 @@ class BackendPool:
 
 class HealthChecker:
     """Checks every backend every `interval_s` (see the module docstring). `on_acceptance(backend,
-    drafts, accepted)` receives the increase of a vLLM backend's speculation counters."""
+    drafts, draft_tokens, accepted)` receives the increase of a vLLM backend's speculation counters."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, health: HealthConfig,
-                 on_acceptance: Callable[[Backend, int, int], None] | None = None):
+                 on_acceptance: Callable[[Backend, int, int, int], None] | None = None):
         self.pool = pool
         self.client = client
         self.health = health
@@ -159,13 +161,13 @@ class HealthChecker:
         if r.status_code != 200:
             return
         samples = parse_prometheus(r.text)
-        drafts = sum(v for (name, _), v in samples.items() if name == VLLM_DRAFTS)
-        accepted = sum(v for (name, _), v in samples.items() if name == VLLM_ACCEPTED)
-        prev, b.spec_counts = b.spec_counts, (drafts, accepted)
-        if prev is not None and self.on_acceptance and drafts >= prev[0] and accepted >= prev[1]:
-            d, a = int(drafts - prev[0]), int(accepted - prev[1])
+        now = tuple(sum(v for (name, _), v in samples.items() if name == key)
+                    for key in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED))
+        prev, b.spec_counts = b.spec_counts, now
+        if prev is not None and self.on_acceptance and all(x >= y for x, y in zip(now, prev)):
+            d, t, a = (int(x - y) for x, y in zip(now, prev))  # a restarted server's counters start over: skipped
             if d > 0:
-                self.on_acceptance(b, d, a)
+                self.on_acceptance(b, d, t, a)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(b) for b in self.pool.backends))

@@ -67,6 +67,7 @@ def make_stub_app(state: StubState) -> FastAPI:
         lines = []
         if state.vllm_counters:
             lines = [f'vllm:spec_decode_num_drafts_total{{model_name="{state.model}"}} {state.drafts_total}',
+                     f'vllm:spec_decode_num_draft_tokens_total{{model_name="{state.model}"}} {4 * state.drafts_total}',
                      f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{state.model}"}} '
                      f'{state.accepted_total}']
         return PlainTextResponse("\n".join(lines) + "\n")

@@ -139,6 +139,9 @@ def test_vllm_backend_acceptance_from_its_metrics():
         # the counters say 1 + 20/10 = 3.0 < 4.0: reverted on the acceptance gate, read from /metrics
         assert st["state"] == "reverted" and "gate min_mean_acceptance_length failed" in st["reason"]
         assert "candidate mean acceptance length 3.000" in st["reason"]
+        m = HTTP.get(gw.base_url + "/metrics").text  # exposed under our names, so bench reads them as from a server
+        key = 'specserve:spec_decode_num_draft_tokens_total{profile="ngram"}'
+        assert float(next(x for x in m.splitlines() if x.startswith(key)).split()[-1]) > 0
 
 
 def test_rollout_cli_against_the_gateway(tmp_path, monkeypatch, capsys):
