@@ -222,7 +222,8 @@ def main() -> None:
     out.write_text(json.dumps(doc, indent=1) + "\n")
     for mode in ("non_streamed", "streamed"):
         r = res[mode]
-        print(f"{mode}: added E2E p50 {r['e2e_p50_ms']['added_pooled']:.3f} ms, p99 {r['e2e_p99_ms']['added_pooled']:.3f}"
+        print(f"{mode}: added E2E p50 {r['e2e_p50_ms']['added_pooled']:.3f} ms, "
+              f"p99 {r['e2e_p99_ms']['added_pooled']:.3f}"
               f" ms (direct p50 {r['e2e_p50_ms']['direct']:.3f}, gateway p50 {r['e2e_p50_ms']['gateway']:.3f});"
               f" gateway CPU {r['gateway_cpu_ms_per_request']:.3f} ms/request; goal {r['goal_met']}")
     print(f"load average {res['load_average_1m']}; wrote {out}")

@@ -136,4 +136,5 @@ class OutcomeWindow:
         with self._lock:
             rows = [(m, d) for (t, m, d) in self._shadow if since <= t <= until]
         mismatches = [d for m, d in rows if not m]
-        return ShadowStats(replays=len(rows), mismatches=len(mismatches), first_mismatch=mismatches[0] if mismatches else "")
+        return ShadowStats(replays=len(rows), mismatches=len(mismatches),
+                           first_mismatch=mismatches[0] if mismatches else "")

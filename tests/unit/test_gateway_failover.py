@@ -79,7 +79,8 @@ def test_streaming_pass_through_usage_and_disconnect(tmp_path):
         t0 = time.monotonic()
         arrivals, raw = [], b""
         with HTTP.stream("POST", gw.base_url + "/v1/completions", json=body) as r:
-            assert r.headers["x-specserve-backend"] == "b1" and r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-specserve-backend"] == "b1"
+            assert r.headers["content-type"].startswith("text/event-stream")
             for chunk in r.iter_raw():
                 arrivals.append(time.monotonic() - t0)
                 raw += chunk
