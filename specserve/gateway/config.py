@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from specserve.config import ConfigError
-from specserve.rollout.plan import RolloutPlan, load_plan, plan_from_dict
+from specserve.rollout.plan import RolloutPlan, load_plan, plan_from_dict, read_yaml_file
 from specserve.rollout.profiles import BASELINE
 
 KINDS = ("specserve", "vllm", "openai")
@@ -232,15 +232,4 @@ def fleet_from_dict(d: Any, base_dir: Path | None = None) -> FleetConfig:
 
 def load_fleet(path: str | Path) -> FleetConfig:
     """Read a fleet file (YAML or JSON). Raises ConfigError."""
-    import yaml
-
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read fleet config {p}: {e}") from None
-    try:
-        d = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"fleet config {p} is not valid YAML or JSON: {' '.join(str(e).split())}") from None
-    return fleet_from_dict(d, base_dir=p.parent)
+    return fleet_from_dict(read_yaml_file(path, "fleet config"), base_dir=Path(path).parent)

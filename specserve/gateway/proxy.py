@@ -44,6 +44,14 @@ SESSION_HEADER = "x-session-id"
 RETRY_STATUSES = (502, 503, 504)
 
 
+class _GiveUp(Exception):
+    """Every try failed; `response` is what the client gets."""
+
+    def __init__(self, response: Response):
+        super().__init__("every try failed")
+        self.response = response
+
+
 class _Retry(Exception):
     """This attempt failed before the client saw a byte; `response` is the backend's own answer, if any."""
 
@@ -202,7 +210,37 @@ class Proxy:
         b.in_flight += delta
         self.gw.metrics.busy(b.name, delta)
 
-    async def _attempt(self, request: Request, ex: Exchange, b: Backend) -> tuple[httpx.Response, bytes]:
+    async def _tries(self, request: Request, ex: Exchange, attempt: Any) -> tuple[Backend, Any, float, float]:
+        """Run `attempt(b)` on backends of the request's profile until one does not raise _Retry.
+        Returns (backend, its result, when its try started, seconds spent waiting on backends); raises
+        _GiveUp with the answer for the client when every try failed, APIError(499) when the client left."""
+        errors: list[str] = []
+        last: _Retry | None = None
+        waited = 0.0
+        guard = DisconnectGuard(request)
+        try:
+            while True:
+                try:
+                    b = self._next_backend(ex, errors)
+                except APIError as e:
+                    raise _GiveUp(self._give_up(ex, last, e)) from None
+                t_send = time.perf_counter()
+                try:
+                    result = await attempt(b)
+                    return b, result, t_send, waited + time.perf_counter() - t_send
+                except _Retry as e:
+                    errors.append(str(e))
+                    last = e
+                    waited += time.perf_counter() - t_send
+        except asyncio.CancelledError:
+            if guard.gone():
+                raise APIError(499, "client disconnected") from None
+            raise
+        finally:
+            guard.close()
+
+    async def _read_whole(self, request: Request, ex: Exchange, b: Backend) -> tuple[httpx.Response, bytes]:
+        """One non-streamed try: the whole answer, or _Retry (the client has seen nothing yet)."""
         self._busy(b, 1)
         try:
             resp = await self._send(request, ex, b)
@@ -210,7 +248,7 @@ class Proxy:
                 content = await resp.aread()
             except httpx.TimeoutException as e:
                 raise APIError(504, f"backend {b.name} timed out: {e}", code="gateway_timeout") from None
-            except httpx.TransportError as e:  # lost mid-response: the client has seen nothing yet
+            except httpx.TransportError as e:  # lost mid-response
                 raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
             finally:
                 await resp.aclose()
@@ -220,33 +258,31 @@ class Proxy:
             raise _Retry(self._failed_attempt(ex, b, None, resp.status_code), self._passthrough(resp, content))
         return resp, content
 
+    async def _open_stream(self, request: Request, ex: Exchange, b: Backend) -> httpx.Response | Response:
+        """One streamed try: the backend's open 200 stream, or its error answer (read whole), or _Retry."""
+        resp = await self._send(request, ex, b)
+        if resp.status_code == 200:
+            return resp
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as e:
+            content = f"reading the error body failed: {e}".encode()
+        finally:
+            await resp.aclose()
+        if resp.status_code in RETRY_STATUSES:
+            raise _Retry(self._failed_attempt(ex, b, None, resp.status_code), self._passthrough(resp, content))
+        self.gw.metrics.attempt(b.name, ex.profile, "error", resp.status_code)
+        record_exchange(self.gw, ex, "error", resp.status_code, content[:300].decode("utf-8", "replace"))
+        return Response(content, status_code=resp.status_code, headers=self._headers(ex),
+                        media_type=resp.headers.get("content-type", "application/json"))
+
     async def _unary(self, request: Request, ex: Exchange) -> Response:
         gw = self.gw
-        errors: list[str] = []
-        waited = 0.0
-        last: _Retry | None = None
-        guard = DisconnectGuard(request)
         try:
-            while True:
-                try:
-                    b = self._next_backend(ex, errors)
-                except APIError as e:
-                    return self._give_up(ex, last, e)
-                t_send = time.perf_counter()
-                try:
-                    resp, content = await self._attempt(request, ex, b)
-                    break
-                except _Retry as e:
-                    errors.append(str(e))
-                    last = e
-                finally:
-                    waited += time.perf_counter() - t_send
-        except asyncio.CancelledError:
-            if guard.gone():
-                raise APIError(499, "client disconnected") from None
-            raise
-        finally:
-            guard.close()
+            b, (resp, content), t_send, waited = await self._tries(
+                request, ex, lambda b: self._read_whole(request, ex, b))
+        except _GiveUp as g:
+            return g.response
         code = resp.status_code
         gw.metrics.child(gw.metrics.backend_latency, b.name).observe(time.perf_counter() - t_send)
         gw.metrics.attempt(b.name, ex.profile, "ok" if code == 200 else "error", code)
@@ -260,59 +296,25 @@ class Proxy:
                     gw.shadow.submit(ex.path, ex.body, ex.profile, outputs_from_body(data, ex.chat), ex.rid)
             except (ValueError, AttributeError):
                 pass
-        record_exchange(self.gw, ex, "ok" if code == 200 else "error", code,
-                     None if code == 200 else content[:300].decode("utf-8", "replace"))
+        record_exchange(gw, ex, "ok" if code == 200 else "error", code,
+                        None if code == 200 else content[:300].decode("utf-8", "replace"))
         out = Response(content, status_code=code, headers=self._headers(ex),
                        media_type=resp.headers.get("content-type", "application/json"))
         gw.metrics.overhead.observe(max(0.0, time.perf_counter() - ex.t0 - waited))
         return out
 
     async def _stream(self, request: Request, ex: Exchange) -> Response:
-        gw = self.gw
-        errors: list[str] = []
-        last: _Retry | None = None
-        guard = DisconnectGuard(request)
         try:
-            while True:
-                try:
-                    b = self._next_backend(ex, errors)
-                except APIError as e:
-                    return self._give_up(ex, last, e)
-                t_send = time.perf_counter()
-                try:
-                    resp = await self._send(request, ex, b)
-                except _Retry as e:
-                    errors.append(str(e))
-                    last = e
-                    continue
-                if resp.status_code == 200:
-                    break
-                try:
-                    content = await resp.aread()
-                except httpx.HTTPError as e:
-                    content = f"reading the error body failed: {e}".encode()
-                finally:
-                    await resp.aclose()
-                if resp.status_code in RETRY_STATUSES:
-                    last = _Retry(self._failed_attempt(ex, b, None, resp.status_code),
-                                  self._passthrough(resp, content))
-                    errors.append(str(last))
-                    continue
-                gw.metrics.attempt(b.name, ex.profile, "error", resp.status_code)
-                record_exchange(self.gw, ex, "error", resp.status_code, content[:300].decode("utf-8", "replace"))
-                return Response(content, status_code=resp.status_code, headers=self._headers(ex),
-                                media_type=resp.headers.get("content-type", "application/json"))
-        except asyncio.CancelledError:
-            if guard.gone():
-                raise APIError(499, "client disconnected") from None
-            raise
-        finally:
-            guard.close()
+            b, resp, t_send, _ = await self._tries(request, ex, lambda b: self._open_stream(request, ex, b))
+        except _GiveUp as g:
+            return g.response
+        if isinstance(resp, Response):  # the backend's own (non-retryable) error answer
+            return resp
         wanted_usage = bool((ex.body.get("stream_options") or {}).get("include_usage"))
         relay = SSERelay(ex, drop_usage=not wanted_usage)
         headers = {**self._headers(ex), "cache-control": "no-cache", "x-accel-buffering": "no"}
         return RelayStream(self._relay(ex, b, resp, relay, t_send), headers=headers,
-                            media_type=resp.headers.get("content-type", "text/event-stream"))
+                           media_type=resp.headers.get("content-type", "text/event-stream"))
 
     async def _relay(self, ex: Exchange, b: Backend, resp: httpx.Response, relay: SSERelay, t_send: float):
         gw = self.gw

@@ -203,22 +203,31 @@ def plan_from_dict(d: Any) -> RolloutPlan:
                        gates=_gates(d.get("gates")), shadow=_shadow(d.get("shadow")))
 
 
-def parse_plan_text(text: str, *, name: str = "plan") -> RolloutPlan:
-    """A plan from JSON or YAML text (YAML is a superset of JSON, so one parser reads both)."""
+def parse_yaml(text: str, what: str) -> Any:
+    """JSON or YAML text (YAML is a superset of JSON, so one parser reads both). Raises ConfigError."""
     import yaml
 
     try:
-        d = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{name} is not valid JSON or YAML: {' '.join(str(e).split())}") from None
-    return plan_from_dict(d)
+        raise ConfigError(f"{what} is not valid JSON or YAML: {' '.join(str(e).split())}") from None
 
 
-def load_plan(path: str | Path) -> RolloutPlan:
-    """Read a plan file (.json, .yaml, .yml). Raises ConfigError."""
+def read_yaml_file(path: str | Path, what: str) -> Any:
+    """Parse a JSON or YAML file; a ConfigError names `what` and the file when it cannot be read or parsed."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(f"cannot read plan file {p}: {e}") from None
-    return parse_plan_text(text, name=f"plan file {p}")
+        raise ConfigError(f"cannot read {what} {p}: {e}") from None
+    return parse_yaml(text, f"{what} {p}")
+
+
+def parse_plan_text(text: str, *, name: str = "plan") -> RolloutPlan:
+    """A plan from JSON or YAML text."""
+    return plan_from_dict(parse_yaml(text, name))
+
+
+def load_plan(path: str | Path) -> RolloutPlan:
+    """Read a plan file (.json, .yaml, .yml). Raises ConfigError."""
+    return plan_from_dict(read_yaml_file(path, "plan file"))

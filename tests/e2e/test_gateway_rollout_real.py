@@ -4,7 +4,6 @@ baseline and an ngram one, and a short staged rollout with the shadow check: the
 (lossless speculation, checked in production traffic), and `specserve bench` runs through the gateway."""
 
 import json
-import threading
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from specserve.gateway.config import fleet_from_dict
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
 from specserve.server.launcher import ServerThread
-from tests.helpers.gateway_fleet import wait_for
+from tests.helpers.gateway_fleet import Traffic, wait_for
 
 pytestmark = [pytest.mark.real_model, pytest.mark.usefixtures("torch_threads")]
 SMOL = "smollm2-135m-instruct"
@@ -50,25 +49,11 @@ def test_rollout_over_two_real_specserve_backends(real_model, tmp_path):
         "rollout": {"plan": plan, "state_file": str(tmp_path / "state.json")}})
     gw = ServerThread(create_gateway_app(cfg, seed=0)).start()
     auth = {"authorization": f"Bearer {TOKEN}"}
-    stop = threading.Event()
-    codes = []
-
-    def traffic():
-        with httpx.Client(timeout=120) as c:
-            i = 0
-            while not stop.is_set():
-                body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 12, "temperature": 0,
-                        "stream": i % 3 == 0}
-                codes.append(c.post(gw.base_url + "/v1/completions", json=body).status_code)
-                i += 1
-
-    t = threading.Thread(target=traffic)
     try:
-        t.start()
-        st = wait_for(lambda: (s := httpx.get(gw.base_url + "/admin/rollout", headers=auth).json())["state"]
-                      in ("completed", "reverted") and s, timeout_s=240, step_s=0.5)
-        stop.set()
-        t.join(120)
+        with Traffic(gw.base_url, PROMPTS, max_tokens=12, n_threads=1, timeout_s=120) as traffic:
+            st = wait_for(lambda: (s := httpx.get(gw.base_url + "/admin/rollout", headers=auth).json())["state"]
+                          in ("completed", "reverted") and s, timeout_s=240, step_s=0.5)
+        codes = traffic.codes
         assert st["state"] == "completed", st["history"]
         gates = {g["name"]: g for g in st["last_evaluation"]["gates"]}
         assert gates["shadow"]["verdict"] == "pass" and "identical" in gates["shadow"]["detail"]
@@ -93,8 +78,6 @@ def test_rollout_over_two_real_specserve_backends(real_model, tmp_path):
         same, n = summary["comparisons"][0]["overall"]["greedy_match"]
         assert n == 2 and same == 2
     finally:
-        stop.set()
-        t.join(120)
         gw.stop()
         base.stop()
         cand.stop()

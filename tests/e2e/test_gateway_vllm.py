@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from specserve.cli import main
-from tests.helpers.gateway_fleet import wait_for
+from tests.helpers.gateway_fleet import Traffic, wait_for
 
 VLLM_PY = os.environ.get("SPECSERVE_VLLM_PYTHON")
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not VLLM_PY, reason="set SPECSERVE_VLLM_PYTHON to a python "
@@ -102,26 +101,11 @@ def test_vllm_fleet_rollout_and_bench(real_model, tmp_path):
             "rollout": {"plan": plan}})
         gw = ServerThread(create_gateway_app(cfg, seed=0)).start()
         auth = {"authorization": f"Bearer {TOKEN}"}
-        codes, stop = [], threading.Event()
-
-        def traffic():
-            with httpx.Client(timeout=300) as c:
-                i = 0
-                while not stop.is_set():
-                    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 32, "temperature": 0,
-                            "stream": i % 2 == 0}
-                    codes.append(c.post(gw.base_url + "/v1/completions", json=body).status_code)
-                    i += 1
-
         t0 = time.monotonic()
-        th = threading.Thread(target=traffic)
-        th.start()
-        try:
+        with Traffic(gw.base_url, PROMPTS, max_tokens=32, n_threads=1, timeout_s=300) as traffic:
             st = wait_for(lambda: (s := httpx.get(gw.base_url + "/admin/rollout", headers=auth).json())["state"]
                           in ("completed", "reverted") and s, timeout_s=900, step_s=1)
-        finally:
-            stop.set()
-            th.join(300)
+        codes = traffic.codes
         record["rollout"] = {"seconds": round(time.monotonic() - t0, 1), "state": st["state"],
                              "history": st["history"], "last_evaluation": st["last_evaluation"],
                              "client_status_codes": {str(c): codes.count(c) for c in set(codes)}}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
+
+import httpx
 
 from specserve.gateway.app import create_gateway_app
 from specserve.gateway.config import fleet_from_dict
@@ -44,3 +47,34 @@ def wait_for(pred, timeout_s: float = 10.0, step_s: float = 0.02):
             return v
         time.sleep(step_s)
     raise AssertionError("condition not met in time")
+
+
+class Traffic:
+    """Background clients sending greedy completions to `url` (every other one streamed) until the
+    `with` block ends; `codes` collects the HTTP statuses."""
+
+    def __init__(self, url: str, prompts: list[str] | None = None, *, max_tokens: int = 4, n_threads: int = 2,
+                 timeout_s: float = 20.0):
+        self.url, self.max_tokens, self.timeout_s = url, max_tokens, timeout_s
+        self.prompts = prompts or [f"p{i}" for i in range(7)]
+        self.stop, self.codes = threading.Event(), []
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n_threads)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=self.timeout_s) as c:
+            k = 0
+            while not self.stop.is_set():
+                body = {"prompt": self.prompts[k % len(self.prompts)], "max_tokens": self.max_tokens,
+                        "temperature": 0, "stream": (k + i) % 2 == 0}
+                self.codes.append(c.post(self.url + "/v1/completions", json=body).status_code)
+                k += 1
+
+    def __enter__(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(self.timeout_s + 30)

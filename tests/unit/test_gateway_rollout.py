@@ -3,7 +3,6 @@ healthy candidate reaches 100%, a slow / failing / ejected / lossy one is revert
 a restart resumes the same step, and the `specserve rollout` commands work against the gateway."""
 
 import json
-import threading
 import time
 from collections import Counter
 
@@ -11,39 +10,12 @@ import httpx
 import pytest
 
 from specserve.cli import main
-from tests.helpers.gateway_fleet import AUTH, TOKEN, fleet, wait_for
+from tests.helpers.gateway_fleet import AUTH, TOKEN, Traffic, fleet, wait_for
 
 HTTP = httpx.Client(timeout=20)
 GATES = {"p95_e2e_ratio": 3.0, "p95_ttft_ratio": None, "median_tpot_ratio": None, "error_rate_diff": 0.05}
 PLAN = {"candidate": "ngram", "steps": [25, 50, 100], "min_dwell_s": 0, "min_requests": 5, "window_s": 3,
         "interval_s": 0.2, "gates": GATES}
-
-
-class Traffic:
-    """Background clients sending small requests (greedy, half of them streamed) until stopped."""
-
-    def __init__(self, gw, n_threads=2):
-        self.gw, self.stop, self.codes = gw, threading.Event(), []
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n_threads)]
-
-    def _run(self, i):
-        with httpx.Client(timeout=20) as c:
-            k = 0
-            while not self.stop.is_set():
-                k += 1
-                body = {"prompt": f"p{k % 7}", "max_tokens": 4, "temperature": 0, "stream": (k + i) % 2 == 0}
-                r = c.post(self.gw.base_url + "/v1/completions", json=body)
-                self.codes.append(r.status_code)
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
 
 
 def _rollout(gw):
@@ -58,7 +30,7 @@ def test_healthy_candidate_reaches_100_percent(tmp_path):
     config = {"weights": {"baseline": 1}, "request_log": str(tmp_path / "gw.jsonl"),
               "rollout": {"state_file": str(tmp_path / "state.json")}}
     plan = {**PLAN, "gates": {**GATES, "min_mean_acceptance_length": 2.0}}
-    with fleet({"b1": "baseline", "n1": "ngram"}, config, acceptance=(10, 20)) as (gw, states, _), Traffic(gw):
+    with fleet({"b1": "baseline", "n1": "ngram"}, config, acceptance=(10, 20)) as (gw, states, _), Traffic(gw.base_url):
         r = HTTP.post(gw.base_url + "/admin/rollout", headers=AUTH, json=plan)
         assert r.status_code == 200 and r.json()["weights"] == {"baseline": 75.0, "ngram": 25.0}
         st = _finish(gw)
@@ -84,7 +56,7 @@ def test_bad_candidate_reverted_within_one_window(fault, gate):
     plan = {**PLAN, "steps": [50, 100], "min_dwell_s": 60}
     if fault == "lossy":
         plan["shadow"] = {"sample": 1.0, "max_in_flight": 4}
-    with fleet({"b1": "baseline", "n1": "ngram"}) as (gw, states, _), Traffic(gw) as traffic:
+    with fleet({"b1": "baseline", "n1": "ngram"}) as (gw, states, _), Traffic(gw.base_url) as traffic:
         n1 = states["n1"]
         if fault == "slow":
             n1.delay_s = 0.08
@@ -133,7 +105,7 @@ def test_vllm_backend_acceptance_from_its_metrics():
     config = {"backends_extra": {"n1": {"kind": "vllm"}}, "health": {"interval_s": 0.1}}
     plan = {**PLAN, "steps": [50, 100], "gates": {**GATES, "min_mean_acceptance_length": 4.0}}
     with fleet({"b1": "baseline", "n1": "ngram"}, config, acceptance=(10, 20), vllm_counters=True) as (gw, _, _), \
-            Traffic(gw):
+            Traffic(gw.base_url):
         HTTP.post(gw.base_url + "/admin/rollout", headers=AUTH, json=plan).raise_for_status()
         st = _finish(gw)
         # the counters say 1 + 20/10 = 3.0 < 4.0: reverted on the acceptance gate, read from /metrics
