@@ -36,7 +36,6 @@ What it does not do: talk to backends (`backends.py`) or route (`app.py`).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -45,7 +44,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from specserve.config import ConfigError
-from specserve.rollout.plan import RolloutPlan, load_plan, plan_from_dict, read_yaml_file
+from specserve.rollout.plan import (
+    RolloutPlan, load_plan, number_field, plan_from_dict, read_yaml_file, reject_unknown,
+)
 from specserve.rollout.profiles import BASELINE
 
 KINDS = ("specserve", "vllm", "openai")
@@ -101,18 +102,6 @@ class FleetConfig:
         return list(dict.fromkeys(b.profile for b in self.backends))
 
 
-def _num(d: dict, key: str, where: str, default: float, *, minimum: float = 0.0, integer: bool = False,
-         positive: bool = False) -> Any:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-        raise ConfigError(f"{where}{key}: must be a number, got {v!r}")
-    if integer and float(v) != int(v):
-        raise ConfigError(f"{where}{key}: must be a whole number, got {v!r}")
-    if float(v) < minimum or (positive and float(v) <= 0):
-        raise ConfigError(f"{where}{key}: must be {'>' if positive else '>='} {minimum:g}, got {v!r}")
-    return int(v) if integer else float(v)
-
-
 def _str(d: dict, key: str, where: str, required: bool = False) -> str | None:
     v = d.get(key)
     if v is None:
@@ -124,17 +113,11 @@ def _str(d: dict, key: str, where: str, required: bool = False) -> str | None:
     return v
 
 
-def _unknown(d: dict, valid: tuple[str, ...], where: str) -> None:
-    extra = sorted(set(d) - set(valid))
-    if extra:
-        raise ConfigError(f"{where}: unknown key(s) {extra}; valid: {list(valid)}")
-
-
 def _backend(i: int, d: Any) -> BackendConfig:
     where = f"backends[{i}]."
     if not isinstance(d, dict):
         raise ConfigError(f"backends[{i}]: must be an object with name, url, profile")
-    _unknown(d, _BACKEND, f"backends[{i}]")
+    reject_unknown(d, _BACKEND, f"backends[{i}]")
     name = _str(d, "name", where, True)
     profile = _str(d, "profile", where, True)
     for key, val in (("name", name), ("profile", profile)):
@@ -147,7 +130,8 @@ def _backend(i: int, d: Any) -> BackendConfig:
     kind = d.get("kind", "openai")
     if kind not in KINDS:
         raise ConfigError(f"{where}kind: must be one of {list(KINDS)}, got {kind!r}")
-    return BackendConfig(name=name, url=url, profile=profile, weight=_num(d, "weight", where, 1.0, positive=True),
+    return BackendConfig(name=name, url=url, profile=profile,
+                         weight=number_field(d, "weight", where, 1.0, allow_equal=False),
                          kind=kind, model=_str(d, "model", where), api_key=_str(d, "api_key", where),
                          profile_header=_str(d, "profile_header", where))
 
@@ -156,7 +140,7 @@ def fleet_from_dict(d: Any, base_dir: Path | None = None) -> FleetConfig:
     """Validate a parsed fleet file; relative plan paths are read from `base_dir`. Raises ConfigError."""
     if not isinstance(d, dict):
         raise ConfigError("fleet config: must be an object with a 'backends' list")
-    _unknown(d, _TOP, "fleet config")
+    reject_unknown(d, _TOP, "fleet config")
     raw = d.get("backends")
     if not isinstance(raw, list) or not raw:
         raise ConfigError("backends: must be a non-empty list of {name, url, profile}")
@@ -184,24 +168,25 @@ def fleet_from_dict(d: Any, base_dir: Path | None = None) -> FleetConfig:
     for name in weights:
         if name not in names:
             raise ConfigError(f"weights.{name}: no backend serves this profile; profiles: {names}")
-        _num(weights, name, "weights.", 0.0)
+        number_field(weights, name, "weights.", 0.0)
     if sum(float(w) for w in weights.values()) <= 0:
         raise ConfigError("weights: must not all be zero")
     health = d.get("health") or {}
     if not isinstance(health, dict):
         raise ConfigError(f"health: must be an object with keys {list(_HEALTH)}")
-    _unknown(health, _HEALTH, "health")
+    reject_unknown(health, _HEALTH, "health")
     path = health.get("path", "/health")
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(f"health.path: must start with '/', got {path!r}")
-    hc = HealthConfig(path=path, interval_s=_num(health, "interval_s", "health.", 2.0, positive=True),
-                      timeout_s=_num(health, "timeout_s", "health.", 1.0, positive=True),
-                      unhealthy_after=_num(health, "unhealthy_after", "health.", 1, minimum=1, integer=True),
-                      healthy_after=_num(health, "healthy_after", "health.", 1, minimum=1, integer=True))
+    h = "health."
+    hc = HealthConfig(path=path, interval_s=number_field(health, "interval_s", h, 2.0, allow_equal=False),
+                      timeout_s=number_field(health, "timeout_s", h, 1.0, allow_equal=False),
+                      unhealthy_after=number_field(health, "unhealthy_after", h, 1, minimum=1, integer=True),
+                      healthy_after=number_field(health, "healthy_after", h, 1, minimum=1, integer=True))
     rollout = d.get("rollout") or {}
     if not isinstance(rollout, dict):
         raise ConfigError(f"rollout: must be an object with keys {list(_ROLLOUT)}")
-    _unknown(rollout, _ROLLOUT, "rollout")
+    reject_unknown(rollout, _ROLLOUT, "rollout")
     plan = None
     if rollout.get("plan") is not None:
         raw_plan = rollout["plan"]
@@ -223,9 +208,10 @@ def fleet_from_dict(d: Any, base_dir: Path | None = None) -> FleetConfig:
         model=_str(d, "model", ""), allow_profile_override=bool(d.get("allow_profile_override", False)),
         admin_token=_str(d, "admin_token", "") or os.environ.get("SPECSERVE_ADMIN_TOKEN") or None,
         request_log=_str(d, "request_log", ""), health=hc,
-        retries=_num(d, "retries", "", 2, integer=True), timeout_s=_num(d, "timeout_s", "", 600.0, positive=True),
-        connect_timeout_s=_num(d, "connect_timeout_s", "", 2.0, positive=True),
-        max_body_bytes=_num(d, "max_body_bytes", "", 4 * 1024 * 1024, minimum=1, integer=True),
+        retries=number_field(d, "retries", "", 2, integer=True),
+        timeout_s=number_field(d, "timeout_s", "", 600.0, allow_equal=False),
+        connect_timeout_s=number_field(d, "connect_timeout_s", "", 2.0, allow_equal=False),
+        max_body_bytes=number_field(d, "max_body_bytes", "", 4 * 1024 * 1024, minimum=1, integer=True),
         rollout_plan=plan, rollout_state_file=_str(rollout, "state_file", "rollout."),
     )
 

@@ -106,8 +106,10 @@ class RolloutPlan:
                 raise ConfigError(f"{key}: unknown profile {getattr(self, key)!r}; profiles: {names}")
 
 
-def _number(d: dict, key: str, where: str, default: float, *, minimum: float = 0.0, integer: bool = False,
-            allow_equal: bool = True) -> Any:
+def number_field(d: dict, key: str, where: str, default: float, *, minimum: float = 0.0, integer: bool = False,
+                 allow_equal: bool = True) -> Any:
+    """d[key] (or `default`) checked to be a finite number >= minimum (> with allow_equal=False), whole
+    with `integer`. Raises ConfigError naming `where + key`. Shared by the plan and the fleet file."""
     v = d.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
         raise ConfigError(f"{where}{key}: must be a finite number, got {v!r}")
@@ -118,7 +120,8 @@ def _number(d: dict, key: str, where: str, default: float, *, minimum: float = 0
     return int(v) if integer else float(v)
 
 
-def _unknown(d: dict, valid: tuple[str, ...], where: str) -> None:
+def reject_unknown(d: dict, valid: tuple[str, ...], where: str) -> None:
+    """ConfigError naming the keys of `d` not in `valid`."""
     extra = sorted(set(d) - set(valid))
     if extra:
         raise ConfigError(f"{where or 'plan'}: unknown key(s) {extra}; valid: {list(valid)}")
@@ -134,16 +137,16 @@ def _steps(raw: Any, dwell: float, min_requests: int) -> tuple[Step, ...]:
         where = f"steps[{i}]."
         if not isinstance(s, dict):
             s = {"percent": s}
-        _unknown(s, _STEP_KEYS, f"steps[{i}]")
+        reject_unknown(s, _STEP_KEYS, f"steps[{i}]")
         if "percent" not in s:
             raise ConfigError(f"{where}percent: is required")
-        pct = _number(s, "percent", where, 0.0, allow_equal=False)
+        pct = number_field(s, "percent", where, 0.0, allow_equal=False)
         if pct > 100:
             raise ConfigError(f"{where}percent: must be <= 100, got {s['percent']!r}")
         if out and pct <= out[-1].percent:
             raise ConfigError(f"{where}percent: must be above the previous step's {out[-1].percent:g}, got {pct:g}")
-        out.append(Step(pct, _number(s, "min_dwell_s", where, dwell),
-                        _number(s, "min_requests", where, min_requests, minimum=1, integer=True)))
+        out.append(Step(pct, number_field(s, "min_dwell_s", where, dwell),
+                        number_field(s, "min_requests", where, min_requests, minimum=1, integer=True)))
     if out[-1].percent != 100:
         raise ConfigError(f"steps[{len(out) - 1}].percent: the last step must be 100, got {out[-1].percent:g}")
     return tuple(out)
@@ -154,15 +157,15 @@ def _gates(raw: Any) -> dict[str, float | None]:
         return dict(DEFAULT_GATES)
     if not isinstance(raw, dict):
         raise ConfigError(f"gates: must be an object of gate name -> threshold; gates: {list(DEFAULT_GATES)}")
-    _unknown(raw, tuple(DEFAULT_GATES), "gates")
+    reject_unknown(raw, tuple(DEFAULT_GATES), "gates")
     gates = dict(DEFAULT_GATES)
     for name in raw:
         if raw[name] is None:
             gates[name] = None
         elif name == "error_rate_diff":
-            gates[name] = _number(raw, name, "gates.", 0.0, minimum=-1.0)
+            gates[name] = number_field(raw, name, "gates.", 0.0, minimum=-1.0)
         else:
-            gates[name] = _number(raw, name, "gates.", 0.0, allow_equal=False)
+            gates[name] = number_field(raw, name, "gates.", 0.0, allow_equal=False)
     return gates
 
 
@@ -173,11 +176,11 @@ def _shadow(raw: Any) -> ShadowCheck | None:
         return ShadowCheck()
     if not isinstance(raw, dict):
         raise ConfigError("shadow: must be an object {sample, max_in_flight}, true, or null")
-    _unknown(raw, _SHADOW_KEYS, "shadow")
-    sample = _number(raw, "sample", "shadow.", ShadowCheck.sample, allow_equal=False)
+    reject_unknown(raw, _SHADOW_KEYS, "shadow")
+    sample = number_field(raw, "sample", "shadow.", ShadowCheck.sample, allow_equal=False)
     if sample > 1:
         raise ConfigError(f"shadow.sample: must be a fraction in (0, 1], got {raw['sample']!r}")
-    return ShadowCheck(sample, _number(raw, "max_in_flight", "shadow.", ShadowCheck.max_in_flight, minimum=1,
+    return ShadowCheck(sample, number_field(raw, "max_in_flight", "shadow.", ShadowCheck.max_in_flight, minimum=1,
                                        integer=True))
 
 
@@ -185,17 +188,17 @@ def plan_from_dict(d: Any) -> RolloutPlan:
     """Validate a parsed plan. Raises ConfigError naming the offending key."""
     if not isinstance(d, dict):
         raise ConfigError(f"plan: must be an object with keys {list(_PLAN_KEYS)}")
-    _unknown(d, _PLAN_KEYS, "")
+    reject_unknown(d, _PLAN_KEYS, "")
     for key in ("candidate", "baseline"):
         v = d.get(key, BASELINE if key == "baseline" else None)
         if not isinstance(v, str) or not v:
             raise ConfigError(f"{key}: must be a profile name, got {v!r}")
     if d["candidate"] == d.get("baseline", BASELINE):
         raise ConfigError(f"candidate: must differ from baseline ({d['candidate']!r})")
-    dwell = _number(d, "min_dwell_s", "", 300.0)
-    min_requests = _number(d, "min_requests", "", 100, minimum=1, integer=True)
-    window_s = _number(d, "window_s", "", 300.0, allow_equal=False)
-    interval_s = _number(d, "interval_s", "", min(15.0, window_s), allow_equal=False)
+    dwell = number_field(d, "min_dwell_s", "", 300.0)
+    min_requests = number_field(d, "min_requests", "", 100, minimum=1, integer=True)
+    window_s = number_field(d, "window_s", "", 300.0, allow_equal=False)
+    interval_s = number_field(d, "interval_s", "", min(15.0, window_s), allow_equal=False)
     if interval_s > window_s:
         raise ConfigError(f"interval_s: must be <= window_s ({window_s:g}), got {interval_s:g}")
     return RolloutPlan(candidate=d["candidate"], baseline=d.get("baseline", BASELINE),
