@@ -133,7 +133,8 @@ async def run(args) -> dict:
         _wait_up(f"http://127.0.0.1:{stub_port}/health")
         _wait_up(f"http://127.0.0.1:{gw_port}/health")
         rng = random.Random(args.seed)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        # keep-alive shorter than the servers' 5 s, so an idle connection is never reused as the server closes it
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0)
         loads = [os.getloadavg()[0]]
         async with httpx.AsyncClient(timeout=30, limits=limits) as client:
             for stream in (False, True):

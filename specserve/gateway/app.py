@@ -122,7 +122,9 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.cfg
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # idle connections are dropped after 2 s, before the backends' own keep-alive timeout (uvicorn's, and
+        # so specserve's and vLLM's, is 5 s) can close one just as a request is sent on it
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
                                         limits=limits)
         self.transport = httpx.AsyncHTTPTransport(limits=limits)
