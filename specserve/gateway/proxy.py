@@ -60,6 +60,13 @@ class _Retry(Exception):
         self.response = response
 
 
+def _gateway_adds_usage(body: dict) -> bool:
+    """A stream whose client did not ask for usage: the gateway asks for it (and drops the usage chunk)."""
+    options = body.get("stream_options")
+    return body.get("stream") is True and (options is None or (isinstance(options, dict)
+                                                               and not options.get("include_usage")))
+
+
 class Proxy:
     """The forwarding logic over the gateway's parts (`gw`: see `app.Gateway`)."""
 
@@ -105,15 +112,15 @@ class Proxy:
 
     def _upstream(self, ex: Exchange, b: Backend, request: Request) -> httpx.Request:
         body = ex.body
-        stream = body.get("stream")
-        changed = ("profile" in body or (b.cfg.model and body.get("model") != b.cfg.model)
-                   or (stream and not (body.get("stream_options") or {}).get("include_usage")))
-        if changed:
+        options = body.get("stream_options")
+        add_usage = _gateway_adds_usage(body)
+        changed = "profile" in body or (b.cfg.model and body.get("model") != b.cfg.model) or add_usage
+        if changed:  # (a malformed stream_options goes as it is: the backend names the error)
             body = {k: v for k, v in body.items() if k != "profile"}
             if b.cfg.model:
                 body["model"] = b.cfg.model
-            if stream:
-                body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            if add_usage:
+                body["stream_options"] = {**(options or {}), "include_usage": True}
         headers = [(b"content-type", b"application/json"), (b"x-request-id", ex.rid.encode())]
         auth = f"Bearer {b.cfg.api_key}" if b.cfg.api_key else request.headers.get("authorization")
         if auth:
@@ -310,8 +317,7 @@ class Proxy:
             return g.response
         if isinstance(resp, Response):  # the backend's own (non-retryable) error answer
             return resp
-        wanted_usage = bool((ex.body.get("stream_options") or {}).get("include_usage"))
-        relay = SSERelay(ex, drop_usage=not wanted_usage)
+        relay = SSERelay(ex, drop_usage=_gateway_adds_usage(ex.body))
         headers = {**self._headers(ex), "cache-control": "no-cache", "x-accel-buffering": "no"}
         return RelayStream(self._relay(ex, b, resp, relay, t_send), headers=headers,
                            media_type=resp.headers.get("content-type", "text/event-stream"))

@@ -111,6 +111,8 @@ def test_error_shapes_and_overrides():
         assert r.status_code == 403
         assert HTTP.get(gw.base_url + "/v1/nothing").status_code == 404
         assert HTTP.get(gw.base_url + "/admin/backends").status_code == 401
+        r = _post(gw, {"prompt": "x", "stream": True, "stream_options": [1]})  # malformed: forwarded as is,
+        assert states[r.headers["x-specserve-backend"]].requests[-1]["body"]["stream_options"] == [1]  # no 500 here
         states["b1"].fail_status = 400  # a backend's own 4xx passes through untouched, not retried
         r = _post(gw)
         assert r.status_code == 400 and "b1 fails on purpose" in r.json()["error"]["message"]
