@@ -182,9 +182,14 @@ class Proxy:
         return msg
 
     async def _send(self, request: Request, ex: Exchange, b: Backend) -> httpx.Response:
-        """Send one attempt and wait for the response head. Raises _Retry for retryable failures."""
+        """Send one attempt and wait for the response head. Raises _Retry for retryable failures. A kept-alive
+        connection that the backend closed at that moment (no response at all) is retried once on a new
+        connection to the same backend, as HTTP clients do for requests without side effects."""
         try:
-            return await self.gw.transport.handle_async_request(self._upstream(ex, b, request))
+            try:
+                return await self.gw.transport.handle_async_request(self._upstream(ex, b, request))
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                return await self.gw.transport.handle_async_request(self._upstream(ex, b, request))
         except httpx.TimeoutException as e:
             if isinstance(e, httpx.ConnectTimeout):
                 raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
