@@ -15,6 +15,7 @@ from specserve.gateway.app import create_gateway_app
 from specserve.gateway.config import fleet_from_dict
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
+from specserve.server.async_engine import AsyncEngine
 from specserve.server.launcher import ServerThread
 from tests.helpers.gateway_fleet import Traffic, wait_for
 
@@ -30,7 +31,7 @@ def _server(path, spec):
     eng = LLMEngine(EngineConfig(model=path, max_model_len=512, max_num_seqs=4, dtype="float32", device="cpu"))
     profiles = {"profiles": {"baseline": None, **({"ngram_4": spec} if spec else {})},
                 "weights": {"ngram_4" if spec else "baseline": 1}}
-    return ServerThread(create_app(eng, profile_set_from_dict(profiles), ServerSettings())).start()
+    return ServerThread(create_app(AsyncEngine(eng), profile_set_from_dict(profiles), ServerSettings())).start()
 
 
 def test_rollout_over_two_real_specserve_backends(real_model, tmp_path):

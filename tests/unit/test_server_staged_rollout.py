@@ -1,4 +1,4 @@
-"""Staged rollouts inside the server (FakeEngine over HTTP): the admin API, automatic promotion and
+"""Staged rollouts inside the server (the model-free fake engine over HTTP): the admin API, automatic promotion and
 revert on a failing candidate, the shadow check, request log and gauges, and resume after a restart."""
 
 import json
@@ -10,7 +10,8 @@ import pytest
 from specserve.rollout.profiles import profile_set_from_dict
 from specserve.server.api import ServerSettings, create_app
 from specserve.server.launcher import ServerThread
-from tests.helpers.fake_engine import FakeEngine
+from specserve.server.async_engine import AsyncEngine
+from tests.helpers.fake_engine import fake_client, fake_engine
 
 PROFILES = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4}},
             "weights": {"baseline": 1}}
@@ -21,26 +22,26 @@ FAST = {"candidate": "ngram_4", "steps": [50, 100], "min_dwell_s": 0, "min_reque
                                      "error_rate_diff": 0.05}}
 
 
-class FailingSpecEngine(FakeEngine):
+class FailingSpecClient(AsyncEngine):
     """The candidate fails on purpose: every speculative request is an engine error (HTTP 500)."""
 
-    def add_request(self, request_id, prompt, params, *, speculative_config=None, arrival_time=None):
-        if speculative_config is not None:
+    async def submit(self, request_id, prompt, params, spec_config, arrival_time=None):
+        if spec_config is not None:
             raise RuntimeError("injected candidate failure")
-        return super().add_request(request_id, prompt, params, speculative_config=speculative_config,
-                                   arrival_time=arrival_time)
+        return await super().submit(request_id, prompt, params, spec_config, arrival_time)
 
 
-class LossySpecEngine(FakeEngine):
-    """A broken 'speculation' that changes greedy output: what the shadow check exists to catch."""
+class LossySpecClient(AsyncEngine):
+    """A broken candidate whose greedy output differs (one token short): what the shadow check catches."""
 
-    def _next_token(self, r):
-        tok = super()._next_token(r)
-        return ord("z") if (r.spec_config is not None and len(r.out) == 3) else tok
+    async def submit(self, request_id, prompt, params, spec_config, arrival_time=None):
+        if spec_config is not None:
+            params = [p.clone(max_tokens=p.max_tokens - 1) for p in params]
+        return await super().submit(request_id, prompt, params, spec_config, arrival_time)
 
 
 def _start(tmp_path, engine=None, state="state.json"):
-    app = create_app(engine or FakeEngine(), profile_set_from_dict(PROFILES),
+    app = create_app(engine or fake_client(), profile_set_from_dict(PROFILES),
                      ServerSettings(admin_token=TOKEN, request_log=str(tmp_path / "req.jsonl"), policy_seed=0,
                                     rollout_state=str(tmp_path / state)))
     return ServerThread(app).start()
@@ -127,7 +128,7 @@ def test_healthy_candidate_completes_and_failing_candidate_reverts(tmp_path):
         assert {r.headers["x-specserve-profile"] for r in _send(srv.base_url, 4)} == {"ngram_4"}
     finally:
         srv.stop()
-    srv = _start(tmp_path, FailingSpecEngine(), state="failing.json")
+    srv = _start(tmp_path, FailingSpecClient(fake_engine()), state="failing.json")
     try:
         HTTP.post(srv.base_url + "/admin/rollout", headers=AUTH, json=FAST).raise_for_status()
         st = _wait_state(srv.base_url, ("completed", "reverted"))
@@ -137,9 +138,9 @@ def test_healthy_candidate_completes_and_failing_candidate_reverts(tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("engine, expect", [(FakeEngine, "completed"), (LossySpecEngine, "reverted")])
-def test_shadow_check_in_the_server(tmp_path, engine, expect):
-    srv = _start(tmp_path, engine())
+@pytest.mark.parametrize("client, expect", [(AsyncEngine, "completed"), (LossySpecClient, "reverted")])
+def test_shadow_check_in_the_server(tmp_path, client, expect):
+    srv = _start(tmp_path, client(fake_engine()))
     try:
         plan = {**FAST, "steps": [10, 100], "min_requests": 1, "shadow": {"sample": 1.0, "max_in_flight": 4},
                 "gates": {"p95_e2e_ratio": None, "p95_ttft_ratio": None, "median_tpot_ratio": None}}
@@ -148,7 +149,7 @@ def test_shadow_check_in_the_server(tmp_path, engine, expect):
         assert st["state"] == expect, st["history"]
         shadow = [g for g in st["last_evaluation"]["gates"] if g["name"] == "shadow"][0]
         if expect == "reverted":
-            assert "gate shadow failed" in st["reason"] and "differs at character 3" in st["reason"]
+            assert "gate shadow failed" in st["reason"] and "differs at character" in st["reason"]
         else:
             assert shadow["verdict"] == "pass" and "identical" in shadow["detail"]
         lines = [json.loads(x) for x in (tmp_path / "req.jsonl").read_text().splitlines()]
