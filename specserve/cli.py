@@ -171,6 +171,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bearer token of the /admin API (or env SPECSERVE_ADMIN_TOKEN); without one it is off")
     p.add_argument("--request-log", metavar="PATH", help="append one JSON line per request to PATH")
     p.add_argument("--log-prompts", action="store_true", help="include prompt and output text in the request log")
+    p.add_argument("--rollout-state", metavar="PATH",
+                   help="staged-rollout state file, written atomically on every change and resumed at start-up "
+                        "(without it a rollout lives in memory only)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs before new ones get 503 + Retry-After")
     p.add_argument("--graceful-shutdown-s", type=float, default=5.0, help="time streams get to finish on shutdown")
@@ -225,10 +228,47 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ---- rollout --------------------------------------------------------------------------------------------
+
+
+def _add_rollout(sub: argparse._SubParsersAction) -> None:
+    from specserve.rollout.cli import add_arguments  # argparse only
+
+    p = sub.add_parser("rollout", help="staged rollout of a profile on a server or gateway: "
+                                       "start|status|pause|resume|promote|rollback (token: SPECSERVE_ADMIN_TOKEN)")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_rollout)
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    from specserve.rollout.cli import run
+
+    return run(args)
+
+
+# ---- gateway --------------------------------------------------------------------------------------------
+
+
+def _add_gateway(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="OpenAI-compatible gateway over a fleet of specserve / vLLM / OpenAI-compatible "
+                                       "servers: weights, sticky users, health checks, retries, staged rollouts")
+    p.add_argument("--config", required=True, metavar="FILE", help="fleet file (YAML or JSON), see docs/gateway.md")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_cmd_gateway)
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from specserve.gateway.app import serve
+
+    return serve(args)
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_models, _add_pull, _add_generate, _add_serve, _add_bench, _add_demo,
+    _add_models, _add_pull, _add_generate, _add_serve, _add_bench, _add_demo, _add_rollout, _add_gateway,
 ]
 
 

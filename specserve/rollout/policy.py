@@ -10,9 +10,11 @@ What it does:
   first listed profiles only moves users onto them. Without a key the draw is random.
 - `set_weights()` and `revert_to_baseline()` change the weights for the NEXT request; a request that
   already chose keeps its profile (the choice is an immutable snapshot). `revert_to_baseline()` is the
-  one way a rollout is undone: all traffic, explicit overrides included, goes to `baseline` until
-  weights are set again. (The HTTP endpoint keeps the operator's word: POST /admin/rollback.)
-Thread-safe (one lock). What it does not do: HTTP (see `admin.py`), metric-gated canaries.
+  one way a rollout is undone: all traffic, explicit overrides included, goes to `baseline` (or the
+  baseline a rollout plan names) until weights are set again. (The HTTP endpoint keeps the operator's
+  word: POST /admin/rollback.) `set_weights(..., step=label)` tags every later choice with the staged
+  rollout's step (`Choice.step`, written to the request log) until weights change again.
+Thread-safe (one lock). What it does not do: HTTP (see `admin.py`), metric gates (`controller.py`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ import hashlib
 import random
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from specserve.config import ConfigError
 from specserve.rollout.profiles import BASELINE, Profile, ProfileSet, check_weights
+
+
+# Set only by the server's own shadow replays (`shadow.replay_in_process`): forces the candidate for that
+# one in-process request. A context variable, so no HTTP client can set it.
+SHADOW_PROFILE: ContextVar[str | None] = ContextVar("specserve_shadow_profile", default=None)
 
 
 class UnknownProfile(ValueError):
@@ -39,7 +47,8 @@ class ProfileForbidden(PermissionError):
 @dataclass(frozen=True)
 class Choice:
     profile: Profile
-    reason: str  # "override" | "sticky" | "weighted" | "rollback" (reverted to baseline)
+    reason: str  # "override" | "sticky" | "weighted" | "rollback" (reverted to baseline) | "shadow"
+    step: str | None = None  # the staged rollout's step when the choice was made, e.g. "ngram_4@5%"
 
 
 def stable_unit(key: str) -> float:
@@ -73,6 +82,8 @@ class RolloutPolicy:
         self._rng = random.Random(seed)
         self._weights = {n: profile_set.weights.get(n, 0.0) for n in self.profiles}
         self._reverted = False
+        self._revert_target = BASELINE
+        self._step: str | None = None
         self._version = 1
         self._updated_at = time.time()
 
@@ -81,6 +92,8 @@ class RolloutPolicy:
     def choose(self, *, sticky_key: str | None = None, requested: str | None = None) -> Choice:
         """The profile for one new request. Raises UnknownProfile / ProfileForbidden for `requested`."""
         with self._lock:
+            if (shadow := SHADOW_PROFILE.get()) is not None and shadow in self.profiles:
+                return Choice(self.profiles[shadow], "shadow", self._step)
             if requested is not None:
                 if not self.allow_override:
                     raise ProfileForbidden(
@@ -90,29 +103,37 @@ class RolloutPolicy:
                 if requested not in self.profiles:
                     raise UnknownProfile(f"unknown profile {requested!r}; profiles: {list(self.profiles)}")
             if self._reverted:
-                return Choice(self.profiles[BASELINE], "rollback")
+                return Choice(self.profiles[self._revert_target], "rollback", self._step)
             if requested is not None:
-                return Choice(self.profiles[requested], "override")
+                return Choice(self.profiles[requested], "override", self._step)
             if sticky_key:
-                return Choice(self.profiles[pick_by_point(self._weights, stable_unit(sticky_key))], "sticky")
-            return Choice(self.profiles[pick_by_point(self._weights, self._rng.random())], "weighted")
+                return Choice(self.profiles[pick_by_point(self._weights, stable_unit(sticky_key))], "sticky",
+                              self._step)
+            return Choice(self.profiles[pick_by_point(self._weights, self._rng.random())], "weighted", self._step)
 
     # ---- admin -------------------------------------------------------------------------------
 
-    def set_weights(self, weights: dict[str, Any]) -> dict[str, Any]:
-        """Replace all weights (names not given get 0) and end a revert to baseline. Raises ConfigError."""
+    def set_weights(self, weights: dict[str, Any], *, step: str | None = None) -> dict[str, Any]:
+        """Replace all weights (names not given get 0) and end a revert to baseline; `step` labels later
+        choices (a staged rollout's step, None otherwise). Raises ConfigError."""
         clean = check_weights(weights, self.profiles)
         with self._lock:
             self._weights = {n: clean.get(n, 0.0) for n in self.profiles}
             self._reverted = False
+            self._step = step
             self._bump()
         return self.state()
 
-    def revert_to_baseline(self) -> dict[str, Any]:
-        """Revert to baseline: every new request goes to baseline until set_weights()."""
+    def revert_to_baseline(self, baseline: str = BASELINE) -> dict[str, Any]:
+        """Revert to baseline: every new request goes to `baseline` until set_weights(). Raises
+        UnknownProfile for a name this policy does not have."""
+        if baseline not in self.profiles:
+            raise UnknownProfile(f"unknown profile {baseline!r}; profiles: {list(self.profiles)}")
         with self._lock:
-            self._weights = {n: (1.0 if n == BASELINE else 0.0) for n in self.profiles}
+            self._weights = {n: (1.0 if n == baseline else 0.0) for n in self.profiles}
             self._reverted = True
+            self._revert_target = baseline
+            self._step = None
             self._bump()
         return self.state()
 
@@ -128,6 +149,8 @@ class RolloutPolicy:
                 "weights": dict(self._weights),
                 "fractions": {n: (w / total if total else 0.0) for n, w in self._weights.items()},
                 "rolled_back": self._reverted,
+                "reverted_to": self._revert_target if self._reverted else None,
+                "rollout_step": self._step,
                 "allow_profile_override": self.allow_override,
                 "version": self._version,
                 "updated_at": self._updated_at,

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (see `serving.py`), GET /v1/models,
 GET /health (200 while the engine thread runs, else 503), GET /metrics (Prometheus text, this app's
-own registry), and the admin API under /admin (see `specserve.rollout.admin`).
+own registry), and the admin API under /admin (see `specserve.rollout.admin`), with staged rollouts
+(`specserve.rollout.runtime`: fed from the request log, state in --rollout-state).
 `create_app()` takes an `EngineClient` (engine_client.py; `AsyncEngine` over an `LLMEngine`, whose
 target is a model-free stand-in in the tests: tests/helpers/fake_engine.py), prepares each profile's
 proposer once (draft models are loaded once and shared), starts the engine when the app starts
@@ -26,6 +27,8 @@ from specserve.rollout.admin import admin_router
 from specserve.rollout.policy import RolloutPolicy
 from specserve.rollout.profiles import ProfileSet, default_profile_set
 from specserve.rollout.request_log import RequestLog
+from specserve.rollout.runtime import RolloutRuntime
+from specserve.rollout.shadow import ShadowCapture, replay_in_process
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import BodySizeLimitMiddleware, install_error_handlers
 from specserve.server.formatting import TokenText
@@ -46,6 +49,7 @@ class ServerSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     policy_seed: int | None = None
     max_num_seqs: int | None = None  # for the queue limit; default: the engine's max_num_seqs
+    rollout_state: str | None = None  # staged-rollout state file (resumed after a restart); None = in memory
 
 
 def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
@@ -72,24 +76,30 @@ def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
         max_num_seqs=settings.max_num_seqs or engine.max_num_seqs,
         max_queue=settings.max_queue,
     )
+    rollout = RolloutRuntime(policy, state_path=settings.rollout_state, registry=state.metrics.registry,
+                             replay=lambda path, body, candidate: replay_in_process(app, path, body, candidate))
+    state.request_log.subscribe(rollout.window.add_record)
     max_model_len = engine.max_model_len
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         state.engine.start(asyncio.get_running_loop())
+        rollout.start()
         logger.info("serving %s with profiles %s", model_name, policy.weights)
         try:
             yield
         finally:
+            await rollout.stop()
             state.engine.stop()
             state.request_log.close()
 
     app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specserve = state
+    app.add_middleware(ShadowCapture, replayer_getter=lambda: rollout.shadow)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
-    app.include_router(admin_router(policy, settings.admin_token))
+    app.include_router(admin_router(policy, settings.admin_token, rollout.controller))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -55,6 +55,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         allow_profile_override=args.allow_profile_override, admin_token=token, request_log=args.request_log,
         log_prompts=args.log_prompts, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
+        rollout_state=args.rollout_state,
     )
     app = create_app(AsyncEngine(engine), profile_set, settings)
     logging.getLogger("specserve.server").info(

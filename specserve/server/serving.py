@@ -145,8 +145,8 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
         except UnknownProfile as e:
             raise APIError(400, str(e), param="profile", code="unknown_profile") from None
         profile = choice.profile
-        record.update(profile=profile.name, profile_reason=choice.reason, method=profile.method,
-                      k=profile.num_speculative_tokens)
+        record.update(profile=profile.name, profile_reason=choice.reason, rollout_step=choice.step,
+                      method=profile.method, k=profile.num_speculative_tokens)
         n = params.n
         if state.max_queue is not None and state.engine.in_flight + n > state.max_num_seqs + state.max_queue:
             raise APIError(503, f"server is at capacity ({state.engine.in_flight} requests in flight); retry later",
