@@ -51,6 +51,7 @@ class Profile:
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "config": self.spec_config.to_dict() if self.spec_config else None,
+            "effective_config": self.spec_config.effective() if self.spec_config else None,
         }
 
 

@@ -117,22 +117,26 @@ def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict
             "choices": choices, "usage": use, "specserve": spec_block}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: Any = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []},
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: Any = None, tool_calls: list[dict] | None = None) -> dict:
+    """A chat choice; `text` None (the output was only tool calls) is content null, as OpenAI sends it."""
+    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": tool_calls or []},
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chunk(chat: bool, rid: str, created: int, model: str, index: int, *, text: str | None = None,
           role: str | None = None, logprobs: dict | None = None, finish_reason: str | None = None,
-          include_usage: bool = False, spec_block: dict | None = None) -> dict:
-    """One streamed chunk for one choice (chat: a `delta`; completions: `text`)."""
+          include_usage: bool = False, spec_block: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk for one choice (chat: a `delta`, with `tool_calls` deltas when given;
+    completions: `text`)."""
     if chat:
         delta: dict[str, Any] = {}
         if role is not None:
             delta["role"] = role
-        if text is not None:
+        if text is not None and (text or not tool_calls):
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
