@@ -99,6 +99,7 @@ def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        _app.state.loop = asyncio.get_running_loop()
         state.engine.start(asyncio.get_running_loop())
         rollout.start()
         logger.info("serving %s with profiles %s", model_name, policy.weights)

@@ -144,7 +144,7 @@ def test_headers_models_health(server, client):
                                                        extra_body={"profile": "suffix"})
     assert resp.headers["x-specserve-profile"] == "suffix"
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok", "last_step_age_s": 0.0, "in_flight": 0}
 
 
 BAD = [
