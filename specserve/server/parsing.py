@@ -42,6 +42,15 @@ _EXPECTED = {
 }
 
 
+# what a union-typed field must be, said once (pydantic reports each alternative separately)
+UNION_TEXT = {
+    "prompt": "must be a string, an array of token ids, or an array of strings or of token id arrays",
+    "stop": "must be a string or an array of strings",
+    "content": "must be a string or an array of content parts",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+}
+
+
 def _reject_constant(name: str) -> Any:
     raise InvalidRequestError(f"request body is not valid JSON: {name} is not a JSON value", code="invalid_json")
 
@@ -159,6 +168,9 @@ def validate_model(model: type[BaseModel], body: dict[str, Any], *, prefix: str 
             reason = _EXPECTED.get(x["type"]) or _plain(x["msg"])
             if reason not in reasons:
                 reasons.append(reason)
+        leaf = (param or "").rsplit(".", 1)[-1].split("[")[0]
+        if len(reasons) > 1 and leaf in UNION_TEXT:
+            reasons = [UNION_TEXT[leaf]]
         full = f"{prefix}.{param}" if prefix and param else (prefix or param)
         what = full or "request body"
         got = "" if errors[0]["type"] == "missing" else f", got {shown(errors[0].get('input'))}"

@@ -61,7 +61,7 @@ def _call(obj: Any, tool_names: set[str]) -> ToolCall | None:
     if isinstance(args, str):  # some models emit the arguments already as JSON text
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
