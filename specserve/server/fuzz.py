@@ -205,7 +205,7 @@ def variants(bad: BadRequest, rng: random.Random) -> list[BadRequest]:
     must be found whatever else the body holds)."""
     try:
         body = json.loads(bad.body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if not isinstance(body, dict) or bad.path not in (CHAT, COMPLETIONS):
         return []
