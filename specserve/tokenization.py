@@ -53,16 +53,19 @@ class PromptEncoder:
         max_prompt_tokens: the per-request prompt limit (tokens); None or more than max_model_len - 1
             means max_model_len - 1.
         model_name: for messages.
+        size_check: refuse prompts by their byte size before tokenizing (the server's encoder; the offline
+            engine's skips it, and so never measures the vocabulary).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_tokens: int | None = None,
-                 model_name: str = "the model"):
+                 model_name: str = "the model", size_check: bool = True):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         cap = max_model_len - 1
         self.max_prompt_tokens = cap if max_prompt_tokens is None else max(1, min(max_prompt_tokens, cap))
         self.model_name = model_name
+        self.size_check = size_check
         self._max_token_bytes: int | None = None
 
     @property
@@ -111,7 +114,7 @@ class PromptEncoder:
         return f"the prompt {what}; {why}"
 
     def _check_size(self, num_bytes: int, param: str) -> None:
-        if num_bytes > self.max_prompt_bytes:
+        if self.size_check and num_bytes > self.max_prompt_bytes:
             raise RequestError(
                 self._too_long(f"is {num_bytes} bytes, so more than {self.max_prompt_tokens} tokens "
                                f"(no token of this model covers more than {self.max_bytes_per_token} bytes)"),

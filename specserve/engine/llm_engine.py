@@ -92,7 +92,8 @@ class LLMEngine:
             num_target_params=sum(p.numel() for p in self.target.model.parameters()),
         )
         self.prompt_encoder = PromptEncoder(self.tokenizer, vocab_size=self.target.config.vocab_size,
-                                            max_model_len=self.max_model_len, model_name=self.model_name)
+                                            max_model_len=self.max_model_len, model_name=self.model_name,
+                                            size_check=False)
         self._seed_stream = random.Random(config.seed)
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
         if config.speculative_config is not None:
