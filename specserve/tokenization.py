@@ -79,6 +79,16 @@ class PromptEncoder:
         """Prompts with more UTF-8 bytes than this cannot fit the limit (no tokenization needed)."""
         return self.max_prompt_tokens * self.max_bytes_per_token
 
+    def precheck(self, prompt: Prompt) -> None:
+        """The byte-size check alone, cheap enough for any thread (O(bytes), no tokenizer call); a no-op
+        until `max_bytes_per_token` has been measured. Raises RequestError like `encode`."""
+        if self._max_token_bytes is None:
+            return
+        if isinstance(prompt, TextPrompt):
+            self._check_size(len(prompt.text.encode("utf-8", errors="replace")), "prompt")
+        elif isinstance(prompt, ChatPrompt):
+            self._check_size(_chat_bytes(prompt), "messages")
+
     def encode(self, prompt: str | Sequence[int] | Prompt) -> list[int]:
         """The checked token ids of a prompt.
 
@@ -124,9 +134,7 @@ class PromptEncoder:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RequestError(f"model {self.model_name} has no chat template; use a completion prompt",
                                param="messages")
-        size = sum(len(str(m.get("content") or "").encode("utf-8", errors="replace")) for m in p.messages)
-        size += tools_json_bytes(p.tools)
-        self._check_size(size, "messages")
+        self._check_size(_chat_bytes(p), "messages")
         kwargs = dict(p.template_kwargs or {})
         kwargs.update(add_generation_prompt=p.add_generation_prompt)
         if p.continue_final_message:
@@ -146,6 +154,12 @@ class PromptEncoder:
             text = text[0] if isinstance(text, list) and text and isinstance(text[0], str) else str(text)
         self._check_size(len(text.encode("utf-8", errors="replace")), "messages")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _chat_bytes(p: ChatPrompt) -> int:
+    """UTF-8 bytes of a chat's message contents and tool definitions (a lower bound of the rendered text)."""
+    size = sum(len(str(m.get("content") or "").encode("utf-8", errors="replace")) for m in p.messages)
+    return size + tools_json_bytes(p.tools)
 
 
 def _one_line(e: BaseException, limit: int = 300) -> str:

@@ -159,6 +159,7 @@ class AsyncEngine:
         pool = self._tokenizer_pool
         if pool is None:
             raise EngineDeadError("engine is not running")
+        self._encoder.precheck(prompt)  # an oversized prompt never waits behind others' tokenization
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, self._encoder.encode, prompt)
         except RuntimeError as e:  # the pool shut down meanwhile
