@@ -1,7 +1,7 @@
 """Property-based fuzzing of the HTTP API (hypothesis, bounded for CI): every catalogued bad request is a
 4xx naming its `param`, and any generated body is answered with a 4xx or a valid 2xx; never a 5xx, never a
 200 with an error inside, never internal text. The recorded run with more examples over a real model is
-benchmarks/server_reliability.py (docs/benchmarks/server_reliability_smollm2.json)."""
+benchmarks/server_reliability.py (docs/benchmarks/server_reliability_smollm2-135m-instruct.json)."""
 
 import json
 
