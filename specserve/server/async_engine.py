@@ -7,7 +7,9 @@ What it does:
   back to back otherwise, so concurrent requests are batched by the engine's scheduler.
 - `encode()` tokenizes (and templates) a prompt on a separate tokenizer thread, never the engine
   thread: its own copy of the tokenizer (tokenizers are not safe to share between threads), at the
-  lowest CPU priority (nice 19, so a large prompt cannot take CPU time from the engine's steps), after
+  low CPU priority (nice 10: about a tenth of a core's time when it competes with the engine thread, so a
+  large prompt barely slows the engine's steps; not 19, which a busy machine can starve while it holds
+  the GIL), after
   the cheap size check of `specserve.tokenization.PromptEncoder`.
 - `submit()` adds one engine request per choice (ids `f"{request_id}-{i}"`) for a prompt (the server
   passes token ids, so the engine thread only checks them); it returns an `EngineRequest`, or raises
@@ -123,7 +125,7 @@ class AsyncEngine:
         running loop)."""
         self._loop = loop or asyncio.get_running_loop()
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer",
-                                                  initializer=_lowest_priority)
+                                                  initializer=_low_priority)
         self._tokenizer_pool.submit(lambda: self._encoder.max_bytes_per_token)  # measured once, off the loop
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
@@ -333,9 +335,12 @@ class AsyncEngine:
             logger.debug("engine.stats() failed", exc_info=True)
 
 
-def _lowest_priority() -> None:
-    """Run the calling thread at nice 19 (Linux applies nice per thread); best effort elsewhere."""
+TOKENIZER_NICE = 10
+
+
+def _low_priority() -> None:
+    """Run the calling thread at nice 10 (Linux applies nice per thread); best effort elsewhere."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
     except (AttributeError, OSError):
         logger.debug("could not lower the tokenizer thread's priority", exc_info=True)
