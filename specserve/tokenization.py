@@ -16,12 +16,15 @@ What it does not do: parse HTTP (see `specserve.server`) or check output lengths
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from jinja2 import TemplateError
 
 from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, as_prompt
+
+logger = logging.getLogger("specserve.server")
 
 
 class RequestError(InvalidRequestError):
@@ -146,10 +149,12 @@ class PromptEncoder:
         except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
             raise RequestError(f"the chat template cannot render these messages: {_one_line(e)}",
                                param="messages") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            # a message shape or template option the template (or transformers) does not accept
-            raise RequestError(f"the chat template cannot render these messages: {_one_line(e)}",
-                               param="messages") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError):
+            # a message shape or template option the template (or transformers) does not accept: the
+            # Python text is logged, not sent (it names internals)
+            logger.warning("chat template failed on a request", exc_info=True)
+            raise RequestError("the chat template cannot render these messages (a message field or "
+                               "chat_template_kwargs value it does not accept)", param="messages") from None
         if not isinstance(text, str):
             text = text[0] if isinstance(text, list) and text and isinstance(text[0], str) else str(text)
         self._check_size(len(text.encode("utf-8", errors="replace")), "messages")
