@@ -196,7 +196,10 @@ def _chat_only() -> list[BadRequest]:
          ("service_tier", _with(b, service_tier="flex"), "service_tier"), ("echo", _with(b, echo=True), "echo"),
          ("chat_template", _with(b, chat_template="{{x}}"), "chat_template"),
          ("continue_final_message", _with(b, continue_final_message=True), "continue_final_message"),
-         ("chat_template_kwargs:type", _with(b, chat_template_kwargs="x"), "chat_template_kwargs")]
+         ("chat_template_kwargs:type", _with(b, chat_template_kwargs="x"), "chat_template_kwargs"),
+         ("chat_template_kwargs:reserved", _with(b, chat_template_kwargs={"chat_template": "{{x}}"}),
+          "chat_template_kwargs"),
+         ("chat_template_kwargs:tokenize", _with(b, chat_template_kwargs={"tokenize": True}), "chat_template_kwargs")]
     return [BadRequest(f"chat:{k}", "POST", p, _j(v), param) for k, v, param in m]
 
 

@@ -83,6 +83,12 @@ REFUSED_COMPLETIONS: dict[str, tuple[Any, str]] = {
 }
 
 
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = None
@@ -233,6 +239,10 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_model_len: int, vocab
             tuple(messages), tuple(tools) if tools is not None else None,
             add_generation_prompt=True if req.add_generation_prompt is None else req.add_generation_prompt,
             continue_final_message=bool(req.continue_final_message), template_kwargs=req.chat_template_kwargs)]
+        reserved = sorted(set(req.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r} (a request field or an "
+                                      "option of the tokenizer itself)", param="chat_template_kwargs")
         if req.continue_final_message and req.add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
