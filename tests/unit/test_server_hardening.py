@@ -2,6 +2,7 @@
 admin input, log hygiene, tool calls end to end, the graceful drain and the engine watchdog."""
 
 import json
+import threading
 
 import httpx
 import openai
@@ -179,8 +180,11 @@ def test_drain_ends_running_requests_cleanly(tmp_path):
                 next(streams[-1][2])
             quick = c.stream("POST", "/v1/completions", json={"prompt": "q", "max_tokens": 3, "stream": True})
             qr = quick.__enter__()
-            assert wait_until(lambda: len(state.generations) == 4)
-            import threading
+            plain = {}  # a non-streamed request cut by the drain gets a 503 body
+            t_plain = threading.Thread(target=lambda: plain.update(r=httpx.post(
+                srv.base_url + "/v1/completions", json={"prompt": "p", "max_tokens": 400}, timeout=30)))
+            t_plain.start()
+            assert wait_until(lambda: len(state.generations) == 5)
             result = {}
             t = threading.Thread(target=lambda: result.update(srv.drain(grace_s=1.0)))
             t.start()
@@ -195,9 +199,11 @@ def test_drain_ends_running_requests_cleanly(tmp_path):
                 cm.__exit__(None, None, None)
             quick.__exit__(None, None, None)
             t.join(30)
-        assert result == {"finished": 1, "ended": 3}
+            t_plain.join(30)
+        assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "server_shutting_down"
+        assert result == {"finished": 1, "ended": 4}
         recs = [json.loads(x) for x in log.read_text().splitlines()]
         ended = [x for x in recs if x["http_status"] == 503 and x["finish_reason"] == "abort"]
-        assert len(ended) == 3 + 0 and len([x for x in recs if x["status"] == "ok"]) == 1
-        assert len(recs) == 5  # 3 ended, 1 finished, 1 refused while draining
+        assert len(ended) == 4 and len([x for x in recs if x["status"] == "ok"]) == 1
+        assert len(recs) == 6  # 4 ended, 1 finished, 1 refused while draining (finish_reason "error")
         assert state.engine.stats()["num_kv_tokens"] == 0
