@@ -250,7 +250,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_model_len: int, vocab
             raise InvalidRequestError("continue_final_message needs an assistant message last",
                                       param="continue_final_message")
     else:
-        prompts = completion_prompts(req, vocab_size)
+        prompts = completion_prompts(req, vocab_size, max_model_len)
         echo = bool(req.echo)
         if req.best_of is not None:
             best_of = req.best_of
@@ -302,8 +302,9 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, boo
     return tool_dicts(req.tools), choice != "none"
 
 
-def completion_prompts(req: CompletionRequest, vocab_size: int) -> list[Prompt]:
-    """The prompts of a completions request: one text, one token id list, or a list of either."""
+def completion_prompts(req: CompletionRequest, vocab_size: int, max_model_len: int | None = None) -> list[Prompt]:
+    """The prompts of a completions request: one text, one token id list, or a list of either (a token
+    id list longer than the context is refused before its ids are checked)."""
     p = req.prompt
     if isinstance(p, str):
         items: list[Any] = [p]
@@ -323,6 +324,10 @@ def completion_prompts(req: CompletionRequest, vocab_size: int) -> list[Prompt]:
         if isinstance(item, str):
             out.append(TextPrompt(item))
             continue
+        if max_model_len is not None and len(item) > max_model_len - 1:
+            raise InvalidRequestError(f"{where} has {len(item)} tokens; this model's context is {max_model_len} tokens "
+                                      "(prompt + at least 1 output token)", param="prompt",
+                                      code="context_length_exceeded")
         bad = next((t for t in item if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"{where}: token ids must be in [0, {vocab_size}), got {bad}", param="prompt")
