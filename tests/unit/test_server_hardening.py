@@ -207,3 +207,4 @@ def test_drain_ends_running_requests_cleanly(tmp_path):
         assert len(ended) == 4 and len([x for x in recs if x["status"] == "ok"]) == 1
         assert len(recs) == 6  # 4 ended, 1 finished, 1 refused while draining (finish_reason "error")
         assert state.engine.stats()["num_kv_tokens"] == 0
+
