@@ -12,6 +12,11 @@ from scipy.stats import chisquare
 
 from specserve.sample.rejection import rejection_sample, sample_and_match
 
+
+def fresh(rng):
+    """uniform(j, purpose) -> a fresh draw from rng (every call independent, as the keyed uniforms are)."""
+    return lambda j, purpose: rng.random()
+
 P = torch.tensor([0.6, 0.4])
 Q = torch.tensor([0.8, 0.2])
 N = 20_000
@@ -40,7 +45,7 @@ def test_output_distribution_matches_target(make_draft, k):
     counts = [[0, 0] for _ in range(k + 1)]
     for _ in range(N):
         drafts, q = make_draft(rng, k)
-        toks, _ = rejection_sample(drafts, target, q, rng.random)
+        toks, _ = rejection_sample(drafts, target, q, fresh(rng))
         for pos, t in enumerate(toks):
             counts[pos][t] += 1
     # Every position is distributed as p (rows are independent and identical here). Position 0 always
@@ -60,7 +65,7 @@ def test_wrong_q_is_detected():
     rng = random.Random(7)
     c = [0, 0]
     for _ in range(N):
-        toks, _ = rejection_sample([0], P.repeat(2, 1), Q.repeat(1, 1), rng.random)
+        toks, _ = rejection_sample([0], P.repeat(2, 1), Q.repeat(1, 1), fresh(rng))
         c[toks[0]] += 1
     assert chisquare(c, [N * 0.6, N * 0.4]).pvalue < 1e-6
 
@@ -72,7 +77,7 @@ def test_sample_and_match_distribution_and_acceptance(k):
     target = P.repeat(k + 1, 1)
     c0, accepted = [0, 0], 0
     for _ in range(N):
-        toks, a = sample_and_match([0] * k, target, rng.random)
+        toks, a = sample_and_match([0] * k, target, fresh(rng))
         c0[toks[0]] += 1
         accepted += a > 0
     assert chisquare(c0, [N * 0.6, N * 0.4]).pvalue > 0.01

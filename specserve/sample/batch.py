@@ -1,0 +1,242 @@
+"""The batched verifier's inputs, built once per step from the plan's sampled requests (host side).
+
+What it does: turns B sampled requests with R logits rows (request b owns rows
+[row_offset_b, row_offset_b + num_drafts_b + 1); docs/step-plan.md) into tensors: which request,
+row index and draft each row has, which rows are greedy or sampled, each sampled row's temperature /
+top-k / top-p / min-p, its uniforms' stream key and output position, the draft model's q rows, and the
+sparse edits of the logits processors, each verify row with its own history (output so far + the
+drafts before it): penalty counts, logit_bias entries, min_tokens masks. The integer metadata travels
+to the device in one copy.
+What it does not do: any math on logits (`specserve.sample.processors`, `specserve.sample.verifier`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from specserve.sample.sampler import needs_processing
+
+if TYPE_CHECKING:
+    from specserve.engine.step_plan import ScheduledRequest
+
+
+@dataclass
+class Penalties:
+    """Repetition / frequency / presence penalties of Rp rows.
+
+    Attributes:
+        rows: int64 [Rp], row indices (into the step's R rows).
+        counts: float32 [Rp, V], occurrences of each token in the row's history (output + drafts before it).
+        prompt_seen: bool [Rp, V], prompt tokens, or None when no row has a repetition penalty.
+        repetition, frequency, presence: float32 [Rp, 1].
+    """
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    prompt_seen: torch.Tensor | None
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+
+@dataclass
+class SamplingBatch:
+    """Everything the batched verifier needs besides the logits (all tensors on the logits' device).
+
+    Attributes:
+        num_requests, num_rows, vocab_size: B, R, V.
+        row_req, row_idx, row_draft: int64 [R]: the row's request (0..B-1), its index j within the
+            request (0..n), and the draft it verifies (d_{j+1}), -1 on each request's last row.
+        greedy_rows, sampled_rows: int64 [Rg], [Rs] row indices (None when empty).
+        temperature, top_p, min_p: float32 [Rs, 1]; top_k: int64 [Rs] (V when off), per sampled row.
+        any_top_k: whether any sampled row uses top-k; top_p_rows, min_p_rows: int64 indices into the
+            sampled rows that use top-p / min-p (None when none does).
+        keys, positions: int64 [Rs], the stream key and output position of each sampled row's uniforms.
+        q, q_rows: float32 [Rq, V] draft distributions and int64 [Rq] their rows as indices into the
+            sampled rows (verify rows of sampled requests with a sampling draft model), or None.
+        penalties: `Penalties` or None; bias: (rows, token ids, values) or None; min_tokens: (rows,
+            token ids) masked to -inf, or None.
+        logprob_rows: int64 [Rl] rows of requests that asked for logprobs (None if none), top_n the
+            largest number of alternatives asked; logprob_offset: request index -> its first position
+            in logprob_rows.
+    """
+
+    num_requests: int
+    num_rows: int
+    vocab_size: int
+    row_req: torch.Tensor
+    row_idx: torch.Tensor
+    row_draft: torch.Tensor
+    greedy_rows: torch.Tensor | None = None
+    sampled_rows: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    any_top_k: bool = False
+    top_p_rows: torch.Tensor | None = None
+    min_p_rows: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    q_rows: torch.Tensor | None = None
+    penalties: Penalties | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    logprob_rows: torch.Tensor | None = None
+    top_n: int = 0
+    logprob_offset: dict[int, int] | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.penalties is not None or self.bias is not None or self.min_tokens is not None
+
+    @classmethod
+    def build(
+        cls, sampled: Sequence["ScheduledRequest"], vocab_size: int, eos_token_ids: Sequence[int], device: torch.device
+    ) -> "SamplingBatch":
+        """From the plan's sampled requests (`StepPlan.sampled`, rows in that order)."""
+        V = vocab_size
+        row_req: list[int] = []
+        row_idx: list[int] = []
+        row_draft: list[int] = []
+        g_rows: list[int] = []
+        s_reqs: list[tuple[int, "ScheduledRequest", int]] = []  # (b, s, first sampled-row index)
+        s_rows: list[int] = []
+        proc, lp = [], []
+        for b, s in enumerate(sampled):
+            n, o, p = s.num_rows, s.row_offset, s.request.params
+            row_req += [b] * n
+            row_idx += range(n)
+            row_draft += s.draft_token_ids
+            row_draft.append(-1)
+            if p.greedy:
+                g_rows += range(o, o + n)
+            else:
+                s_reqs.append((b, s, len(s_rows)))
+                s_rows += range(o, o + n)
+            if needs_processing(p, s.request.num_output_tokens):
+                proc.append(s)
+            if p.logprobs is not None:
+                lp.append((b, s))
+        R, Rs = len(row_req), len(s_rows)
+        ints = row_req + row_idx + row_draft + g_rows + s_rows
+        sizes = [R, R, R, len(g_rows), Rs]
+        floats: list[float] = []
+        if s_reqs:
+            top_k, keys, pos, q_rows, qs, tp_rows, mp_rows = [], [], [], [], [], [], []
+            for _, s, first in s_reqs:
+                r, p, n = s.request, s.request.params, s.num_rows
+                top_k += [p.top_k if 0 < p.top_k < V else V] * n
+                keys += [r.rng_key] * n
+                pos += range(r.num_output_tokens, r.num_output_tokens + n)
+                if s.draft_probs is not None:
+                    q_rows += range(first, first + s.num_drafts)
+                    qs.append(s.draft_probs)
+                if p.top_p < 1.0:
+                    tp_rows += range(first, first + n)
+                if p.min_p > 0.0:
+                    mp_rows += range(first, first + n)
+            ints += top_k + keys + pos + q_rows + tp_rows + mp_rows
+            sizes += [Rs, Rs, Rs, len(q_rows), len(tp_rows), len(mp_rows)]
+            for _, s, _ in s_reqs:
+                p = s.request.params
+                floats += [p.temperature] * s.num_rows
+            for _, s, _ in s_reqs:
+                floats += [s.request.params.top_p] * s.num_rows
+            for _, s, _ in s_reqs:
+                floats += [s.request.params.min_p] * s.num_rows
+        lp_rows: list[int] = []
+        lp_off: dict[int, int] = {}
+        for b, s in lp:
+            lp_off[b] = len(lp_rows)
+            lp_rows += range(s.row_offset, s.row_offset + s.num_rows)
+        ints += lp_rows
+        sizes.append(len(lp_rows))
+        parts = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True).split(sizes)
+        out = cls(len(sampled), R, V, parts[0], parts[1], parts[2],
+                  greedy_rows=parts[3] if g_rows else None, sampled_rows=parts[4] if s_rows else None,
+                  logprob_rows=parts[-1] if lp_rows else None, logprob_offset=lp_off,
+                  top_n=max((s.request.params.logprobs for _, s in lp), default=0))
+        if s_reqs:
+            out.top_k, out.keys, out.positions = parts[5], parts[6], parts[7]
+            out.any_top_k = any(0 < s.request.params.top_k < V for _, s, _ in s_reqs)
+            out.top_p_rows = parts[9] if tp_rows else None
+            out.min_p_rows = parts[10] if mp_rows else None
+            f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).view(3, Rs, 1)
+            out.temperature, out.top_p, out.min_p = f[0], f[1], f[2]
+            if q_rows:
+                out.q_rows = parts[8]
+                out.q = torch.cat(qs).to(device=device, dtype=torch.float32)
+        if proc:
+            _processor_edits(out, proc, V, list(eos_token_ids), device)
+        return out
+
+
+def _processor_edits(out: SamplingBatch, proc: Sequence["ScheduledRequest"], V: int, eos: list[int], device) -> None:
+    """Fill out.penalties / out.bias / out.min_tokens for the requests that need processing
+    (the batched form of `specserve.sample.sampler.process_logits`)."""
+    pen = [s for s in proc if s.request.params.has_penalties]
+    if pen:
+        rows, row_local, out_ids, out_req, pair_row, pair_tok = [], [], [], [], [], []
+        rep, freq, pres = [], [], []
+        prompt_ids, prompt_req = [], []
+        for i, s in enumerate(pen):
+            r, p, n = s.request, s.request.params, s.num_rows
+            ids = r.output_token_ids
+            out_ids += ids
+            out_req += [i] * len(ids)
+            for j in range(n):
+                pair_row += [len(rows)] * j  # row j also counts the drafts before it
+                pair_tok += s.draft_token_ids[:j]
+                rows.append(s.row_offset + j)
+                row_local.append(i)
+            rep += [p.repetition_penalty] * n
+            freq += [p.frequency_penalty] * n
+            pres += [p.presence_penalty] * n
+            if p.repetition_penalty != 1.0:
+                prompt_ids += r.prompt_token_ids
+                prompt_req += [i] * r.num_prompt_tokens
+        t = torch.tensor(rows + row_local + out_req + out_ids + pair_row + pair_tok + prompt_req + prompt_ids,
+                         dtype=torch.int64).to(device, non_blocking=True)
+        n_rows, n_out, n_pair, n_prompt = len(rows), len(out_ids), len(pair_row), len(prompt_ids)
+        rows_t, local_t, oreq, oids, prow, ptok, preq, pids = t.split(
+            [n_rows, n_rows, n_out, n_out, n_pair, n_pair, n_prompt, n_prompt])
+        counts = torch.zeros(len(pen), V, dtype=torch.float32, device=device)
+        counts.index_put_((oreq, oids), torch.ones(n_out, device=device), accumulate=True)
+        counts = counts[local_t]
+        counts.index_put_((prow, ptok), torch.ones(n_pair, device=device), accumulate=True)
+        seen = None
+        if n_prompt:
+            seen = torch.zeros(len(pen), V, dtype=torch.bool, device=device)
+            seen[preq, pids] = True
+            seen = seen[local_t]
+        f = torch.tensor(rep + freq + pres, dtype=torch.float32).to(device, non_blocking=True).view(3, n_rows, 1)
+        out.penalties = Penalties(rows_t, counts, seen, f[0], f[1], f[2])
+    b_rows, b_toks, b_vals = [], [], []
+    m_rows, m_toks = [], []
+    for s in proc:
+        r, p = s.request, s.request.params
+        if p.logit_bias:
+            toks = [t for t in p.logit_bias if 0 <= t < V]
+            vals = [p.logit_bias[t] for t in toks]
+            for j in range(s.num_rows):
+                b_rows += [s.row_offset + j] * len(toks)
+                b_toks += toks
+                b_vals += vals
+        if p.min_tokens:
+            stop_ids = [t for t in ([] if p.ignore_eos else eos) + p.stop_token_ids if 0 <= t < V]
+            for j in range(s.num_rows):
+                if stop_ids and r.num_output_tokens + j < p.min_tokens:
+                    m_rows += [s.row_offset + j] * len(stop_ids)
+                    m_toks += stop_ids
+    if b_rows or m_rows:
+        t = torch.tensor(b_rows + b_toks + m_rows + m_toks, dtype=torch.int64).to(device, non_blocking=True)
+        br, bt, mr, mt = t.split([len(b_rows), len(b_rows), len(m_rows), len(m_rows)])
+        if b_rows:
+            out.bias = (br, bt, torch.tensor(b_vals, dtype=torch.float32).to(device, non_blocking=True))
+        if m_rows:
+            out.min_tokens = (mr, mt)

@@ -1,0 +1,181 @@
+"""Batched verification: every request of a step in a few tensor ops, one device-to-host copy.
+
+What it does, for B requests with R rows (request b: n_b drafts, rows j = 0..n_b; docs/step-plan.md):
+1. logits processors for all rows (`specserve.sample.processors`);
+2. a candidate token per row: greedy rows take the argmax; sampled rows draw by inverse CDF with the
+   row's uniform u(key, output position, SAMPLE) (`specserve.sample.uniforms`) from p, or, on the verify
+   rows of a sampling draft model's request, from the residual norm(max(0, p - q));
+3. which drafts pass: greedy and one-hot drafts (n-gram, suffix, a greedy draft) pass while the
+   candidate equals the draft (for sampled rows this is the coupled rule: the committed tokens do not
+   depend on the drafts); drafts with a q pass when u(key, position, ACCEPT) * q(d) < p(d) (accept with
+   min(1, p/q); Leviathan et al. 2023, Chen et al. 2023);
+4. the accepted count a_b = index of the first row that does not pass (the last row never passes),
+   a segment-wise cumulative product done as a scatter-min; the committed tokens of request b are
+   rows 0..a_b of `where(j < a_b, draft, candidate)`: the accepted drafts, then the recovered or
+   bonus token;
+5. one copy to the host of the committed tokens, counts, failure flags (a sampled row whose
+   distribution is not a distribution: NaN or all zero) and raw logprobs when asked.
+The per-request reference (`specserve.sample.sampler.sample_request`) gives the same tokens; the
+tests check it (tests/unit/test_verifier.py).
+What it does not do: stop checks or KV rollback (the engine commits per request on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.outputs import TokenLogprob
+from specserve.sample.batch import SamplingBatch
+from specserve.sample.processors import apply_processors, sampling_probs
+from specserve.sample.uniforms import Purpose, uniforms
+
+
+@dataclass
+class VerifyOutput:
+    """Device tensors of one verification.
+
+    Attributes:
+        tokens: int64 [R], row j of request b holds its j-th committed token if j <= a_b.
+        num_accepted: int64 [B], a_b.
+        failed: bool [B], a sampled row of the request had no valid distribution.
+        logprob_chosen: float32 [Rl] raw logprob of `tokens` on `batch.logprob_rows`; logprob_top_ids,
+            logprob_top: int64 / float32 [Rl, top_n]; None when no request asked.
+    """
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    failed: torch.Tensor
+    logprob_chosen: torch.Tensor | None = None
+    logprob_top_ids: torch.Tensor | None = None
+    logprob_top: torch.Tensor | None = None
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) up to normalization, row-wise: p, q [N, V] -> [N, V]. A row where p <= q
+    everywhere (p == q up to rounding: a rejection there has probability 0) falls back to p."""
+    r = torch.clamp(p - q, min=0.0)
+    return torch.where((r.sum(-1, keepdim=True) > 0.0), r, p)
+
+
+def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise inverse-CDF samples, the batched `specserve.sample.rejection.sample_from`.
+
+    Args:
+        dist: float32 [N, V], non-negative, need not be normalized.
+        u: float64 [N] in [0, 1 - 2^-52].
+
+    Returns:
+        (int64 [N] token ids, bool [N] rows whose mass is not > 0 or NaN).
+    """
+    cdf = torch.cumsum(dist.double(), dim=-1)
+    total = cdf[:, -1]
+    idx = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
+    return idx.clamp_(max=dist.shape[-1] - 1), ~(total > 0.0)
+
+
+@torch.inference_mode()
+def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
+    """Verify every request of the batch (see the module docstring).
+
+    Args:
+        logits: float32 [R, V] raw target logits, rows in the batch's order.
+
+    Returns:
+        VerifyOutput on the logits' device.
+    """
+    R, B = batch.num_rows, batch.num_requests
+    x = apply_processors(logits, batch)
+    failed_rows = None
+    if batch.sampled_rows is None:
+        cand = x.argmax(-1)
+        passed = cand == batch.row_draft
+    else:
+        cand = torch.empty(R, dtype=torch.int64, device=logits.device)
+        if batch.greedy_rows is not None:
+            cand[batch.greedy_rows] = x[batch.greedy_rows].argmax(-1)
+        s_rows = batch.sampled_rows
+        probs = sampling_probs(x[s_rows], batch)
+        dist = probs
+        if batch.q is not None:
+            qr = batch.q_rows
+            p_rows = probs[qr]
+            dist = probs.clone()
+            dist[qr] = residual(p_rows, batch.q)
+        u = uniforms(batch.keys, batch.positions, Purpose.SAMPLE)
+        tok, bad = inverse_cdf(dist, u)
+        cand[s_rows] = tok
+        passed = cand == batch.row_draft
+        if batch.q is not None:
+            d = batch.row_draft[s_rows[qr]]
+            ar = torch.arange(d.shape[0], device=d.device)
+            u_acc = uniforms(batch.keys[qr], batch.positions[qr], Purpose.ACCEPT)
+            ok = u_acc * batch.q[ar, d].double() < p_rows[ar, d].double()
+            passed[s_rows[qr]] = ok
+        failed_rows = torch.zeros(R, dtype=torch.bool, device=logits.device)
+        failed_rows[s_rows] = bad
+    j = batch.row_idx
+    first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, j)
+    a = torch.full((B,), R + 1, dtype=torch.int64, device=logits.device)
+    a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
+    tokens = torch.where(j < a[batch.row_req], batch.row_draft, cand)
+    failed = torch.zeros(B, dtype=torch.bool, device=logits.device)
+    if failed_rows is not None:
+        failed.scatter_reduce_(0, batch.row_req, failed_rows, "amax")
+    out = VerifyOutput(tokens, a, failed)
+    if batch.logprob_rows is not None:
+        lp = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
+        out.logprob_chosen = lp.gather(1, tokens[batch.logprob_rows].unsqueeze(1)).squeeze(1)
+        if batch.top_n > 0:
+            out.logprob_top, out.logprob_top_ids = torch.topk(lp, batch.top_n, dim=-1)
+    return out
+
+
+@dataclass
+class VerifyResult:
+    """Host copy of a `VerifyOutput`, read by the engine's per-request commit.
+
+    Attributes:
+        tokens: R ints (see VerifyOutput.tokens); num_accepted: B ints; failed: B bools.
+        logprobs: per row of `batch.logprob_rows`: (chosen logprob, [(token id, logprob), ...]).
+    """
+
+    tokens: list[int]
+    num_accepted: list[int]
+    failed: list[bool]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    logprob_offset: dict[int, int]
+
+    def committed(self, b: int, row_offset: int, top_n: int | None) -> tuple[list[int], int, list[TokenLogprob] | None]:
+        """Request b's (tokens to commit, accepted drafts, logprobs or None); `top_n` = its own
+        `SamplingParams.logprobs`."""
+        a = self.num_accepted[b]
+        toks = self.tokens[row_offset : row_offset + a + 1]
+        if top_n is None or self.logprobs is None:
+            return toks, a, None
+        o = self.logprob_offset[b]
+        lps = [TokenLogprob(t, c, top[:top_n]) for t, (c, top) in zip(toks, self.logprobs[o : o + a + 1])]
+        return toks, a, lps
+
+
+def to_host(out: VerifyOutput, batch: SamplingBatch) -> VerifyResult:
+    """The step's one device-to-host copy (a single packed tensor)."""
+    R, B = batch.num_rows, batch.num_requests
+    if out.logprob_chosen is None:
+        flat = torch.cat([out.tokens, out.num_accepted, out.failed.to(torch.int64)]).tolist()
+        return VerifyResult(flat[:R], flat[R : R + B], [bool(f) for f in flat[R + B :]], None, {})
+    n, Rl = batch.top_n, out.logprob_chosen.shape[0]
+    parts = [out.tokens, out.num_accepted, out.failed, out.logprob_chosen]
+    if n:
+        parts += [out.logprob_top_ids.flatten(), out.logprob_top.flatten()]
+    flat = torch.cat([t.to(torch.float64) for t in parts]).tolist()  # ids < 2^53 and float32 values are exact
+    toks = [int(t) for t in flat[:R]]
+    acc = [int(t) for t in flat[R : R + B]]
+    failed = [bool(f) for f in flat[R + B : R + 2 * B]]
+    o = R + 2 * B
+    chosen = flat[o : o + Rl]
+    ids, vals = flat[o + Rl : o + Rl + Rl * n], flat[o + Rl + Rl * n :]
+    lps = [(chosen[i], [(int(t), v) for t, v in zip(ids[i * n : (i + 1) * n], vals[i * n : (i + 1) * n])])
+           for i in range(Rl)]
+    return VerifyResult(toks, acc, failed, lps, batch.logprob_offset or {})
