@@ -50,13 +50,18 @@ class SamplingBatch:
         num_requests, num_rows, vocab_size: B, R, V.
         row_req, row_idx, row_draft: int64 [R]: the row's request (0..B-1), its index j within the
             request (0..n), and the draft it verifies (d_{j+1}), -1 on each request's last row.
-        greedy_rows, sampled_rows: int64 [Rg], [Rs] row indices (None when empty).
+        greedy_rows, sampled_rows: int64 [Rg], [Rs] row indices (None when empty); all_sampled: the
+            sampled rows are all R rows in order (no gather needed).
         temperature, top_p, min_p: float32 [Rs, 1]; top_k: int64 [Rs] (V when off), per sampled row.
-        any_top_k: whether any sampled row uses top-k; top_p_rows, min_p_rows: int64 indices into the
+        any_top_k: whether any sampled row uses top-k, top_k_max the largest k used; top_p_rows, min_p_rows: int64 indices into the
             sampled rows that use top-p / min-p (None when none does).
         keys, positions: int64 [Rs], the stream key and output position of each sampled row's uniforms.
-        q, q_rows: float32 [Rq, V] draft distributions and int64 [Rq] their rows as indices into the
-            sampled rows (verify rows of sampled requests with a sampling draft model), or None.
+        coupled_rows: int64 [Rc] indices into the sampled rows of requests without q (one-hot drafts
+            or none): each needs its own sample. None when there are none.
+        q: float32 [Rq, V] draft distributions of the Bq sampled requests with a sampling draft model
+            (their n_i rows each, in order), or None; q_rows: int64 [Rq] their verify rows as indices
+            into the sampled rows; q_req, q_first, q_offset, q_num: int64 [Bq] each such request's
+            index, its row 0 as an index into the sampled rows, its first row in q, its n_i.
         penalties: `Penalties` or None; bias: (rows, token ids, values) or None; min_tokens: (rows,
             token ids) masked to -inf, or None.
         logprob_rows: int64 [Rl] rows of requests that asked for logprobs (None if none), top_n the
@@ -72,17 +77,25 @@ class SamplingBatch:
     row_draft: torch.Tensor
     greedy_rows: torch.Tensor | None = None
     sampled_rows: torch.Tensor | None = None
+    all_sampled: bool = False
+    all_coupled: bool = False
     temperature: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
     any_top_k: bool = False
+    top_k_max: int = 0
     top_p_rows: torch.Tensor | None = None
     min_p_rows: torch.Tensor | None = None
     keys: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     q: torch.Tensor | None = None
     q_rows: torch.Tensor | None = None
+    coupled_rows: torch.Tensor | None = None
+    q_req: torch.Tensor | None = None
+    q_first: torch.Tensor | None = None
+    q_offset: torch.Tensor | None = None
+    q_num: torch.Tensor | None = None
     penalties: Penalties | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -127,21 +140,27 @@ class SamplingBatch:
         sizes = [R, R, R, len(g_rows), Rs]
         floats: list[float] = []
         if s_reqs:
-            top_k, keys, pos, q_rows, qs, tp_rows, mp_rows = [], [], [], [], [], [], []
-            for _, s, first in s_reqs:
+            top_k, keys, pos, tp_rows, mp_rows, c_rows = [], [], [], [], [], []
+            q_rows, qs, q_info = [], [], [[], [], [], []]  # q_req, q_first, q_offset, q_num
+            for b, s, first in s_reqs:
                 r, p, n = s.request, s.request.params, s.num_rows
                 top_k += [p.top_k if 0 < p.top_k < V else V] * n
                 keys += [r.rng_key] * n
                 pos += range(r.num_output_tokens, r.num_output_tokens + n)
                 if s.draft_probs is not None:
+                    for lst, v in zip(q_info, (b, first, len(q_rows), s.num_drafts)):
+                        lst.append(v)
                     q_rows += range(first, first + s.num_drafts)
                     qs.append(s.draft_probs)
+                else:
+                    c_rows += range(first, first + n)
                 if p.top_p < 1.0:
                     tp_rows += range(first, first + n)
                 if p.min_p > 0.0:
                     mp_rows += range(first, first + n)
-            ints += top_k + keys + pos + q_rows + tp_rows + mp_rows
-            sizes += [Rs, Rs, Rs, len(q_rows), len(tp_rows), len(mp_rows)]
+            Bq = len(qs)
+            ints += top_k + keys + pos + tp_rows + mp_rows + c_rows + q_rows + sum(q_info, [])
+            sizes += [Rs, Rs, Rs, len(tp_rows), len(mp_rows), len(c_rows), len(q_rows), Bq, Bq, Bq, Bq]
             for _, s, _ in s_reqs:
                 p = s.request.params
                 floats += [p.temperature] * s.num_rows
@@ -163,13 +182,16 @@ class SamplingBatch:
                   top_n=max((s.request.params.logprobs for _, s in lp), default=0))
         if s_reqs:
             out.top_k, out.keys, out.positions = parts[5], parts[6], parts[7]
-            out.any_top_k = any(0 < s.request.params.top_k < V for _, s, _ in s_reqs)
-            out.top_p_rows = parts[9] if tp_rows else None
-            out.min_p_rows = parts[10] if mp_rows else None
+            ks = [s.request.params.top_k for _, s, _ in s_reqs if 0 < s.request.params.top_k < V]
+            out.any_top_k, out.top_k_max = bool(ks), max(ks, default=0)
+            out.top_p_rows = parts[8] if tp_rows else None
+            out.min_p_rows = parts[9] if mp_rows else None
+            out.coupled_rows = parts[10] if c_rows else None
+            out.all_sampled, out.all_coupled = Rs == R, len(c_rows) == Rs
             f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).view(3, Rs, 1)
             out.temperature, out.top_p, out.min_p = f[0], f[1], f[2]
-            if q_rows:
-                out.q_rows = parts[8]
+            if qs:
+                out.q_rows, out.q_req, out.q_first, out.q_offset, out.q_num = parts[11:16]
                 out.q = torch.cat(qs).to(device=device, dtype=torch.float32)
         if proc:
             _processor_edits(out, proc, V, list(eos_token_ids), device)

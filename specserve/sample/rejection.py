@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from specserve.sample.inverse_cdf import inverse_cdf
 from specserve.sample.uniforms import Purpose
 
 Uniform = Callable[[int, int], float]
@@ -40,20 +41,17 @@ Uniform = Callable[[int, int], float]
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF sample from probs [V] (need not be normalized) with a uniform u in [0, 1).
+    """Inverse-CDF sample from probs [V] (need not be normalized) with a uniform u in [0, 1): the token i
+    with C(i - 1) <= u * C(V - 1) < C(i), C the float64 cumulative sum (`specserve.sample.inverse_cdf`,
+    the same primitive the batched verifier uses). Never returns a token with zero probability.
 
     Raises:
-        ValueError: all probabilities are zero.
+        ValueError: all probabilities are zero (or NaN).
     """
-    cdf = torch.cumsum(probs.double(), dim=0)
-    total = float(cdf[-1])
-    if not total > 0.0:
+    idx, bad = inverse_cdf(probs.float().unsqueeze(0), torch.tensor([u], dtype=torch.float64, device=probs.device))
+    if bool(bad[0]):
         raise ValueError("cannot sample from an all-zero distribution")
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64, device=cdf.device), right=True))
-    idx = min(idx, probs.shape[0] - 1)
-    while float(probs[idx]) <= 0.0 and idx > 0:  # floating-point edge at the very top of the CDF
-        idx -= 1
-    return idx
+    return int(idx[0])
 
 
 def greedy_verify(draft_ids: list[int], target_argmax: list[int]) -> tuple[list[int], int]:

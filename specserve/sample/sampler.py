@@ -99,18 +99,24 @@ def process_logits(
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, then softmax. logits [R, V] -> probs [R, V] (float32)."""
+    """Temperature, top-k, top-p and min-p, then softmax. logits [R, V] -> probs [R, V] (float32).
+
+    top-p (nucleus, Holtzman et al. 2020) keeps the most likely tokens until the mass before the next
+    one reaches top_p: over the probabilities p sorted in descending order, position i is kept while
+    cumsum(p)_i - p_i < top_p, and every token at least as likely as the last kept one is kept (so a
+    tie at the cut does not depend on how a sort orders equal values).
+    """
     x = logits / params.temperature
     V = x.shape[-1]
     if params.top_k and 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(x, params.top_k).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= params.top_p  # mass before this token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        p = torch.softmax(x, dim=-1)
+        s = torch.sort(p, dim=-1, descending=True).values
+        kept = (torch.cumsum(s, dim=-1) - s) < params.top_p  # the mass before each sorted position
+        n_keep = torch.cumprod(kept, dim=-1).sum(-1, keepdim=True)  # positions before the first cut (>= 1)
+        x = x.masked_fill(p < s.gather(-1, n_keep - 1), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.min_p > 0.0:
         cut = probs.max(dim=-1, keepdim=True).values * params.min_p

@@ -2,17 +2,18 @@
 
 What it does, for B requests with R rows (request b: n_b drafts, rows j = 0..n_b; docs/step-plan.md):
 1. logits processors for all rows (`specserve.sample.processors`);
-2. a candidate token per row: greedy rows take the argmax; sampled rows draw by inverse CDF with the
-   row's uniform u(key, output position, SAMPLE) (`specserve.sample.uniforms`) from p, or, on the verify
-   rows of a sampling draft model's request, from the residual norm(max(0, p - q));
+2. a candidate token per row: greedy rows take the argmax; sampled rows without q (one-hot drafts or
+   none) draw from p by inverse CDF with the row's uniform u(key, output position, SAMPLE)
+   (`specserve.sample.uniforms`);
 3. which drafts pass: greedy and one-hot drafts (n-gram, suffix, a greedy draft) pass while the
    candidate equals the draft (for sampled rows this is the coupled rule: the committed tokens do not
    depend on the drafts); drafts with a q pass when u(key, position, ACCEPT) * q(d) < p(d) (accept with
    min(1, p/q); Leviathan et al. 2023, Chen et al. 2023);
 4. the accepted count a_b = index of the first row that does not pass (the last row never passes),
-   a segment-wise cumulative product done as a scatter-min; the committed tokens of request b are
-   rows 0..a_b of `where(j < a_b, draft, candidate)`: the accepted drafts, then the recovered or
-   bonus token;
+   a segment-wise cumulative product done as a scatter-min; a request with q then draws its one
+   token at row a_b: from the residual norm(max(0, p - q)) after a rejection, from p (bonus) after
+   all n_b drafts passed; the committed tokens of request b are rows 0..a_b of
+   `where(j < a_b, draft, candidate)`: the accepted drafts, then the recovered or bonus token;
 5. one copy to the host of the committed tokens, counts, failure flags (a sampled row whose
    distribution is not a distribution: NaN or all zero) and raw logprobs when asked.
 The per-request reference (`specserve.sample.sampler.sample_request`) gives the same tokens; the
@@ -28,6 +29,7 @@ import torch
 
 from specserve.outputs import TokenLogprob
 from specserve.sample.batch import SamplingBatch
+from specserve.sample.inverse_cdf import inverse_cdf
 from specserve.sample.processors import apply_processors, sampling_probs
 from specserve.sample.uniforms import Purpose, uniforms
 
@@ -59,22 +61,6 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where((r.sum(-1, keepdim=True) > 0.0), r, p)
 
 
-def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise inverse-CDF samples, the batched `specserve.sample.rejection.sample_from`.
-
-    Args:
-        dist: float32 [N, V], non-negative, need not be normalized.
-        u: float64 [N] in [0, 1 - 2^-52].
-
-    Returns:
-        (int64 [N] token ids, bool [N] rows whose mass is not > 0 or NaN).
-    """
-    cdf = torch.cumsum(dist.double(), dim=-1)
-    total = cdf[:, -1]
-    idx = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
-    return idx.clamp_(max=dist.shape[-1] - 1), ~(total > 0.0)
-
-
 @torch.inference_mode()
 def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
     """Verify every request of the batch (see the module docstring).
@@ -86,43 +72,52 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
         VerifyOutput on the logits' device.
     """
     R, B = batch.num_rows, batch.num_requests
+    dev = logits.device
     x = apply_processors(logits, batch)
-    failed_rows = None
+    failed = torch.zeros(B, dtype=torch.bool, device=dev)
     if batch.sampled_rows is None:
         cand = x.argmax(-1)
         passed = cand == batch.row_draft
     else:
-        cand = torch.empty(R, dtype=torch.int64, device=logits.device)
+        cand = torch.zeros(R, dtype=torch.int64, device=dev)
         if batch.greedy_rows is not None:
             cand[batch.greedy_rows] = x[batch.greedy_rows].argmax(-1)
         s_rows = batch.sampled_rows
-        probs = sampling_probs(x[s_rows], batch)
-        dist = probs
-        if batch.q is not None:
-            qr = batch.q_rows
-            p_rows = probs[qr]
-            dist = probs.clone()
-            dist[qr] = residual(p_rows, batch.q)
-        u = uniforms(batch.keys, batch.positions, Purpose.SAMPLE)
-        tok, bad = inverse_cdf(dist, u)
-        cand[s_rows] = tok
+        probs = sampling_probs(x if batch.all_sampled else x[s_rows], batch)
+        if batch.coupled_rows is not None:  # one-hot drafts (or none): every row draws its own token
+            c = batch.coupled_rows
+            tok, bad = inverse_cdf(probs if batch.all_coupled else probs[c],
+                                   uniforms(batch.keys[c], batch.positions[c], Purpose.SAMPLE))
+            cand[s_rows[c]] = tok
+            failed.scatter_reduce_(0, batch.row_req[s_rows[c]], bad, "amax")
         passed = cand == batch.row_draft
-        if batch.q is not None:
+        if batch.q is not None:  # accept tests u * q(d) < p(d) on every verify row of a draft model's request
+            qr = batch.q_rows
             d = batch.row_draft[s_rows[qr]]
-            ar = torch.arange(d.shape[0], device=d.device)
+            ar = torch.arange(d.shape[0], device=dev)
             u_acc = uniforms(batch.keys[qr], batch.positions[qr], Purpose.ACCEPT)
-            ok = u_acc * batch.q[ar, d].double() < p_rows[ar, d].double()
-            passed[s_rows[qr]] = ok
-        failed_rows = torch.zeros(R, dtype=torch.bool, device=logits.device)
-        failed_rows[s_rows] = bad
+            passed[s_rows[qr]] = u_acc * batch.q[ar, d].double() < probs[qr, d].double()
+    j = batch.row_idx
+    first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, j)
+    a = torch.full((B,), R + 1, dtype=torch.int64, device=dev)
+    a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
+    if batch.sampled_rows is not None and batch.q is not None:
+        # a draft model's request samples one row: the recovered token from the residual at its first
+        # rejection, or the bonus token from p after the last draft
+        aq = a[batch.q_req]
+        row = batch.q_first + aq
+        p_row = probs[row]
+        rejected = (aq < batch.q_num).unsqueeze(1)
+        q_row = batch.q[batch.q_offset + torch.minimum(aq, batch.q_num - 1)]
+        dist = torch.where(rejected, residual(p_row, q_row), p_row)
+        tok, bad = inverse_cdf(dist, uniforms(batch.keys[row], batch.positions[row], Purpose.SAMPLE))
+        cand[batch.sampled_rows[row]] = tok
+        failed[batch.q_req] |= bad
     j = batch.row_idx
     first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, j)
     a = torch.full((B,), R + 1, dtype=torch.int64, device=logits.device)
     a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
     tokens = torch.where(j < a[batch.row_req], batch.row_draft, cand)
-    failed = torch.zeros(B, dtype=torch.bool, device=logits.device)
-    if failed_rows is not None:
-        failed.scatter_reduce_(0, batch.row_req, failed_rows, "amax")
     out = VerifyOutput(tokens, a, failed)
     if batch.logprob_rows is not None:
         lp = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)

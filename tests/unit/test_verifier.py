@@ -38,7 +38,7 @@ def random_params(rng, V):
     else:
         kw["temperature"] = rng.choice([0.3, 0.7, 1.0, 1.5])
     if kind == "filters":
-        kw.update(top_k=rng.choice([0, 1, 5, 40]), top_p=rng.choice([1.0, 0.5, 0.9]), min_p=rng.choice([0.0, 0.05, 0.2]))
+        kw.update(top_k=rng.choice([0, 1, 5, 40]), top_p=rng.choice([1.0, 0.5, 0.9, 0.995]), min_p=rng.choice([0.0, 0.05, 0.2]))
     if kind.endswith("processed"):
         kw.update(repetition_penalty=rng.choice([1.0, 1.3, 0.8]), frequency_penalty=rng.choice([0.0, 0.5, -0.4]),
                   presence_penalty=rng.choice([0.0, 1.0]), min_tokens=rng.choice([0, 3, 40]),
@@ -95,7 +95,7 @@ def batched(plan, logits, V):
 @pytest.mark.parametrize("trial", range(40))
 def test_batched_equals_reference_mixed_batches(trial):
     rng = random.Random(trial)
-    V = rng.choice([37, 300])
+    V = rng.choice([37, 300, 1000])
     plan, logits = random_step(rng, V, B=rng.randrange(1, 10))
     ref = reference(plan, logits)
     got = batched(plan, logits, V)
@@ -110,7 +110,7 @@ def test_batched_equals_reference_mixed_batches(trial):
 def test_processed_logits_and_probs_equal_reference_bitwise(trial):
     """Each row's processed logits and sampling probabilities are the reference's, bit for bit."""
     rng = random.Random(100 + trial)
-    V = rng.choice([37, 300])
+    V = rng.choice([37, 300, 1000])
     plan, logits = random_step(rng, V, B=rng.randrange(1, 10))
     batch = SamplingBatch.build(plan.sampled, V, EOS, CPU)
     x = apply_processors(logits, batch)
@@ -134,7 +134,7 @@ def test_every_path_is_exercised():
     seen = set()
     for trial in range(40):
         rng = random.Random(trial)
-        V = rng.choice([37, 300])
+        V = rng.choice([37, 300, 1000])
         plan, logits = random_step(rng, V, B=rng.randrange(1, 10))
         for s, res in zip(plan.sampled, reference(plan, logits)):
             p = s.request.params
@@ -222,3 +222,18 @@ def test_batched_sampling_distribution_chi_square(draft):
     counts = [first.count(t) for t in range(V)]
     assert chisquare(counts, (p * N).tolist()).pvalue > 0.01, counts
     assert abs(sum(got.num_accepted) / N - expect) < 0.025
+
+
+def test_top_p_cut_beyond_the_probe_falls_back_exactly():
+    """A flat row whose top-p cut lies past processors.TOP_P_PROBE tokens gives the reference's result."""
+    from specserve.sample import processors
+
+    V = 4 * processors.TOP_P_PROBE
+    logits = torch.randn(3, V) * 0.1
+    params = SamplingParams(temperature=1.0, top_p=0.97)
+    r = Request("r", [1], params, None, 0)
+    plan = StepPlan.build([ScheduledRequest.decode(r, [0, 0], None)])
+    batch = SamplingBatch.build(plan.sampled, V, EOS, CPU)
+    probs = sampling_probs(logits, batch)
+    ref = logits_to_probs(logits, params)
+    assert torch.equal(probs, ref) and (ref > 0).sum(-1).min() > processors.TOP_P_PROBE
