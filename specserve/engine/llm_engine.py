@@ -307,7 +307,10 @@ class LLMEngine:
         for key, idx in groups.items():
             inputs = [ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.seed)
                       for r, k in (asks[i] for i in idx)]
-            for i, prop in zip(idx, self._proposers[key].propose(inputs)):
+            props = self._proposers[key].propose(inputs)
+            if len(props) != len(inputs):
+                raise RuntimeError(f"proposer {key[0]!r} returned {len(props)} proposals for {len(inputs)} requests")
+            for i, prop in zip(idx, props):
                 out[i] = prop
         return out
 

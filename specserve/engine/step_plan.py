@@ -90,7 +90,7 @@ class StepPlan:
     sampled: list[ScheduledRequest]
     num_tokens: int
     num_rows: int
-    _model_input: ModelInput | None = None
+    _model_input: ModelInput | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, scheduled: list[ScheduledRequest]) -> "StepPlan":
@@ -108,6 +108,16 @@ class StepPlan:
     @property
     def num_draft_tokens(self) -> int:
         return sum(s.num_drafts for s in self.scheduled)
+
+    @property
+    def max_query_len(self) -> int:
+        """Most new tokens of one request (1 + the largest k for a step without prefill): with the
+        number of requests, the (batch, tokens per request) shape a static-shape runner buckets on."""
+        return max((s.num_new_tokens for s in self.scheduled), default=0)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(s.is_prefill for s in self.scheduled)
 
     def model_input(self, device: torch.device) -> ModelInput:
         """The runner's flat tensors, built once per plan (one host-to-device copy)."""

@@ -65,6 +65,7 @@ def test_mixed_verify_decode_and_prefill_layout():
     assert plan.scheduled[0].token_ids == [101, 50, 51, 52] and plan.scheduled[0].draft_token_ids == [50, 51, 52]
     assert [s.request.request_id for s in plan.sampled] == ["a", "b"]
     assert (plan.num_tokens, plan.num_rows, plan.num_draft_tokens) == (20, 5, 3)
+    assert (plan.max_query_len, plan.has_prefill) == (15, True)
     assert [(s.token_offset, s.row_offset) for s in plan.scheduled] == [(0, 0), (4, 4), (5, 5)]
     mi = plan.model_input(torch.device("cpu"))
     assert mi is plan.model_input(torch.device("cpu"))  # built once per step

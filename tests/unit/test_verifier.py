@@ -95,7 +95,7 @@ def batched(plan, logits, V):
 @pytest.mark.parametrize("trial", range(40))
 def test_batched_equals_reference_mixed_batches(trial):
     rng = random.Random(trial)
-    V = rng.choice([37, 300, 1000])
+    V = rng.choice([37, 300, 1000, 3000])
     plan, logits = random_step(rng, V, B=rng.randrange(1, 10))
     ref = reference(plan, logits)
     got = batched(plan, logits, V)
@@ -110,7 +110,7 @@ def test_batched_equals_reference_mixed_batches(trial):
 def test_processed_logits_and_probs_equal_reference_bitwise(trial):
     """Each row's processed logits and sampling probabilities are the reference's, bit for bit."""
     rng = random.Random(100 + trial)
-    V = rng.choice([37, 300, 1000])
+    V = rng.choice([37, 300, 1000, 3000])
     plan, logits = random_step(rng, V, B=rng.randrange(1, 10))
     batch = SamplingBatch.build(plan.sampled, V, EOS, CPU)
     x = apply_processors(logits, batch)
@@ -134,7 +134,7 @@ def test_every_path_is_exercised():
     seen = set()
     for trial in range(40):
         rng = random.Random(trial)
-        V = rng.choice([37, 300, 1000])
+        V = rng.choice([37, 300, 1000, 3000])
         plan, logits = random_step(rng, V, B=rng.randrange(1, 10))
         for s, res in zip(plan.sampled, reference(plan, logits)):
             p = s.request.params
@@ -237,3 +237,22 @@ def test_top_p_cut_beyond_the_probe_falls_back_exactly():
     probs = sampling_probs(logits, batch)
     ref = logits_to_probs(logits, params)
     assert torch.equal(probs, ref) and (ref > 0).sum(-1).min() > processors.TOP_P_PROBE
+
+
+def test_inverse_cdf_blocks_row_independent_and_never_zero_mass():
+    """Several 1024-token blocks and a tail: a row's token is the same alone and in a batch, has
+    weight, and the draws follow the weights."""
+    from specserve.sample.inverse_cdf import inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    V, N = 2 * 1024 + 300, 4000
+    p = torch.rand(8, V, generator=g) * (torch.rand(8, V, generator=g) < 0.3)
+    u = uniforms(torch.full((8,), seed_key(1)), torch.arange(8), 0)
+    tok, bad = inverse_cdf(p, u)
+    assert not bad.any() and (p[torch.arange(8), tok] > 0).all()
+    assert [int(inverse_cdf(p[i : i + 1], u[i : i + 1])[0]) for i in range(8)] == tok.tolist()
+    w = torch.zeros(V)
+    w[[5, 1500, V - 1]] = torch.tensor([0.5, 0.3, 0.2])
+    draws = inverse_cdf(w.repeat(N, 1), uniforms(torch.full((N,), seed_key(2)), torch.arange(N), 0))[0].tolist()
+    counts = [draws.count(t) for t in (5, 1500, V - 1)]
+    assert sum(counts) == N and chisquare(counts, [0.5 * N, 0.3 * N, 0.2 * N]).pvalue > 0.01
