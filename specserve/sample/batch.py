@@ -113,13 +113,10 @@ class SamplingBatch:
     ) -> "SamplingBatch":
         """From the plan's sampled requests (`StepPlan.sampled`, rows in that order)."""
         V = vocab_size
-        row_req: list[int] = []
-        row_idx: list[int] = []
-        row_draft: list[int] = []
-        g_rows: list[int] = []
-        s_reqs: list[tuple[int, "ScheduledRequest", int]] = []  # (b, s, first sampled-row index)
-        s_rows: list[int] = []
-        proc, lp = [], []
+        ints = _Pack()
+        row_req, row_idx, row_draft, g_rows, s_rows, lp_rows = [], [], [], [], [], []
+        s_reqs = []  # (b, s, index of its row 0 among the sampled rows)
+        lp_off: dict[int, int] = {}
         for b, s in enumerate(sampled):
             n, o, p = s.num_rows, s.row_offset, s.request.params
             row_req += [b] * n
@@ -131,71 +128,79 @@ class SamplingBatch:
             else:
                 s_reqs.append((b, s, len(s_rows)))
                 s_rows += range(o, o + n)
-            if needs_processing(p, s.request.num_output_tokens):
-                proc.append(s)
             if p.logprobs is not None:
-                lp.append((b, s))
-        R, Rs = len(row_req), len(s_rows)
-        ints = row_req + row_idx + row_draft + g_rows + s_rows
-        sizes = [R, R, R, len(g_rows), Rs]
-        floats: list[float] = []
+                lp_off[b] = len(lp_rows)
+                lp_rows += range(o, o + n)
+        for name, values in (("row_req", row_req), ("row_idx", row_idx), ("row_draft", row_draft),
+                             ("greedy_rows", g_rows), ("sampled_rows", s_rows), ("logprob_rows", lp_rows)):
+            ints.add(name, values)
+        floats = _sampled_rows(ints, s_reqs, V) if s_reqs else []
+        t = ints.send(device)
+        out = cls(len(sampled), len(row_req), V, **t, logprob_offset=lp_off,
+                  top_n=max((sampled[b].request.params.logprobs for b in lp_off), default=0),
+                  all_sampled=len(s_rows) == len(row_req),
+                  all_coupled=t.get("coupled_rows") is not None and len(t["coupled_rows"]) == len(s_rows))
         if s_reqs:
-            top_k, keys, pos, tp_rows, mp_rows, c_rows = [], [], [], [], [], []
-            q_rows, qs, q_info = [], [], [[], [], [], []]  # q_req, q_first, q_offset, q_num
-            for b, s, first in s_reqs:
-                r, p, n = s.request, s.request.params, s.num_rows
-                top_k += [p.top_k if 0 < p.top_k < V else V] * n
-                keys += [r.rng_key] * n
-                pos += range(r.num_output_tokens, r.num_output_tokens + n)
-                if s.draft_probs is not None:
-                    for lst, v in zip(q_info, (b, first, len(q_rows), s.num_drafts)):
-                        lst.append(v)
-                    q_rows += range(first, first + s.num_drafts)
-                    qs.append(s.draft_probs)
-                else:
-                    c_rows += range(first, first + n)
-                if p.top_p < 1.0:
-                    tp_rows += range(first, first + n)
-                if p.min_p > 0.0:
-                    mp_rows += range(first, first + n)
-            Bq = len(qs)
-            ints += top_k + keys + pos + tp_rows + mp_rows + c_rows + q_rows + sum(q_info, [])
-            sizes += [Rs, Rs, Rs, len(tp_rows), len(mp_rows), len(c_rows), len(q_rows), Bq, Bq, Bq, Bq]
-            for _, s, _ in s_reqs:
-                p = s.request.params
-                floats += [p.temperature] * s.num_rows
-            for _, s, _ in s_reqs:
-                floats += [s.request.params.top_p] * s.num_rows
-            for _, s, _ in s_reqs:
-                floats += [s.request.params.min_p] * s.num_rows
-        lp_rows: list[int] = []
-        lp_off: dict[int, int] = {}
-        for b, s in lp:
-            lp_off[b] = len(lp_rows)
-            lp_rows += range(s.row_offset, s.row_offset + s.num_rows)
-        ints += lp_rows
-        sizes.append(len(lp_rows))
-        parts = torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True).split(sizes)
-        out = cls(len(sampled), R, V, parts[0], parts[1], parts[2],
-                  greedy_rows=parts[3] if g_rows else None, sampled_rows=parts[4] if s_rows else None,
-                  logprob_rows=parts[-1] if lp_rows else None, logprob_offset=lp_off,
-                  top_n=max((s.request.params.logprobs for _, s in lp), default=0))
-        if s_reqs:
-            out.top_k, out.keys, out.positions = parts[5], parts[6], parts[7]
             ks = [s.request.params.top_k for _, s, _ in s_reqs if 0 < s.request.params.top_k < V]
             out.any_top_k, out.top_k_max = bool(ks), max(ks, default=0)
-            out.top_p_rows = parts[8] if tp_rows else None
-            out.min_p_rows = parts[9] if mp_rows else None
-            out.coupled_rows = parts[10] if c_rows else None
-            out.all_sampled, out.all_coupled = Rs == R, len(c_rows) == Rs
-            f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).view(3, Rs, 1)
+            f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).view(3, len(s_rows), 1)
             out.temperature, out.top_p, out.min_p = f[0], f[1], f[2]
+            qs = [s.draft_probs for _, s, _ in s_reqs if s.draft_probs is not None]
             if qs:
-                out.q_rows, out.q_req, out.q_first, out.q_offset, out.q_num = parts[11:16]
                 out.q = torch.cat(qs).to(device=device, dtype=torch.float32)
+        proc = [s for s in sampled if needs_processing(s.request.params, s.request.num_output_tokens)]
         if proc:
             _processor_edits(out, proc, V, list(eos_token_ids), device)
         return out
+
+
+class _Pack:
+    """Named int64 lists sent to the device as one tensor (one host-to-device copy)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, list[int]]] = []
+
+    def add(self, name: str, values: list[int]) -> None:
+        self.items.append((name, values))
+
+    def send(self, device: torch.device) -> dict[str, torch.Tensor | None]:
+        """name -> int64 tensor on `device`, or None for an empty list."""
+        flat = torch.tensor([v for _, vals in self.items for v in vals], dtype=torch.int64).to(device, non_blocking=True)
+        parts = flat.split([len(vals) for _, vals in self.items])
+        return {name: t if len(vals) else None for (name, vals), t in zip(self.items, parts)}
+
+
+def _sampled_rows(ints: _Pack, s_reqs, V: int) -> list[float]:
+    """Per sampled row: top_k, stream key, output position; the rows using top-p / min-p; coupled rows;
+    the q bookkeeping. Adds them to `ints`; returns temperature + top_p + min_p per row (floats)."""
+    top_k, keys, pos, tp_rows, mp_rows, c_rows, q_rows = [], [], [], [], [], [], []
+    q_req, q_first, q_offset, q_num = [], [], [], []
+    temp, top_p, min_p = [], [], []
+    for b, s, first in s_reqs:
+        r, p, n = s.request, s.request.params, s.num_rows
+        top_k += [p.top_k if 0 < p.top_k < V else V] * n
+        keys += [r.rng_key] * n
+        pos += range(r.num_output_tokens, r.num_output_tokens + n)
+        temp += [p.temperature] * n
+        top_p += [p.top_p] * n
+        min_p += [p.min_p] * n
+        if s.draft_probs is not None:
+            q_req.append(b)
+            q_first.append(first)
+            q_offset.append(len(q_rows))
+            q_num.append(s.num_drafts)
+            q_rows += range(first, first + s.num_drafts)
+        else:
+            c_rows += range(first, first + n)
+        if p.top_p < 1.0:
+            tp_rows += range(first, first + n)
+        if p.min_p > 0.0:
+            mp_rows += range(first, first + n)
+    for name, values in (("top_k", top_k), ("keys", keys), ("positions", pos), ("top_p_rows", tp_rows),
+                         ("min_p_rows", mp_rows), ("coupled_rows", c_rows), ("q_rows", q_rows), ("q_req", q_req),
+                         ("q_first", q_first), ("q_offset", q_offset), ("q_num", q_num)):
+        ints.add(name, values)
+    return temp + top_p + min_p
 
 
 def _processor_edits(out: SamplingBatch, proc: Sequence["ScheduledRequest"], V: int, eos: list[int], device) -> None:

@@ -71,53 +71,18 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
     Returns:
         VerifyOutput on the logits' device.
     """
-    R, B = batch.num_rows, batch.num_requests
-    dev = logits.device
     x = apply_processors(logits, batch)
-    failed = torch.zeros(B, dtype=torch.bool, device=dev)
+    failed = torch.zeros(batch.num_requests, dtype=torch.bool, device=logits.device)
+    probs = None
     if batch.sampled_rows is None:
         cand = x.argmax(-1)
         passed = cand == batch.row_draft
     else:
-        cand = torch.zeros(R, dtype=torch.int64, device=dev)
-        if batch.greedy_rows is not None:
-            cand[batch.greedy_rows] = x[batch.greedy_rows].argmax(-1)
-        s_rows = batch.sampled_rows
-        probs = sampling_probs(x if batch.all_sampled else x[s_rows], batch)
-        if batch.coupled_rows is not None:  # one-hot drafts (or none): every row draws its own token
-            c = batch.coupled_rows
-            tok, bad = inverse_cdf(probs if batch.all_coupled else probs[c],
-                                   uniforms(batch.keys[c], batch.positions[c], Purpose.SAMPLE))
-            cand[s_rows[c]] = tok
-            failed.scatter_reduce_(0, batch.row_req[s_rows[c]], bad, "amax")
-        passed = cand == batch.row_draft
-        if batch.q is not None:  # accept tests u * q(d) < p(d) on every verify row of a draft model's request
-            qr = batch.q_rows
-            d = batch.row_draft[s_rows[qr]]
-            ar = torch.arange(d.shape[0], device=dev)
-            u_acc = uniforms(batch.keys[qr], batch.positions[qr], Purpose.ACCEPT)
-            passed[s_rows[qr]] = u_acc * batch.q[ar, d].double() < probs[qr, d].double()
-    j = batch.row_idx
-    first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, j)
-    a = torch.full((B,), R + 1, dtype=torch.int64, device=dev)
-    a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
-    if batch.sampled_rows is not None and batch.q is not None:
-        # a draft model's request samples one row: the recovered token from the residual at its first
-        # rejection, or the bonus token from p after the last draft
-        aq = a[batch.q_req]
-        row = batch.q_first + aq
-        p_row = probs[row]
-        rejected = (aq < batch.q_num).unsqueeze(1)
-        q_row = batch.q[batch.q_offset + torch.minimum(aq, batch.q_num - 1)]
-        dist = torch.where(rejected, residual(p_row, q_row), p_row)
-        tok, bad = inverse_cdf(dist, uniforms(batch.keys[row], batch.positions[row], Purpose.SAMPLE))
-        cand[batch.sampled_rows[row]] = tok
-        failed[batch.q_req] |= bad
-    j = batch.row_idx
-    first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, j)
-    a = torch.full((B,), R + 1, dtype=torch.int64, device=logits.device)
-    a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
-    tokens = torch.where(j < a[batch.row_req], batch.row_draft, cand)
+        cand, passed, probs = _sampled_candidates(x, batch, failed)
+    a = accepted_counts(passed, batch)
+    if batch.q is not None:
+        _draw_recovered_or_bonus(probs, a, cand, failed, batch)
+    tokens = torch.where(batch.row_idx < a[batch.row_req], batch.row_draft, cand)
     out = VerifyOutput(tokens, a, failed)
     if batch.logprob_rows is not None:
         lp = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
@@ -125,6 +90,52 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
         if batch.top_n > 0:
             out.logprob_top, out.logprob_top_ids = torch.topk(lp, batch.top_n, dim=-1)
     return out
+
+
+def accepted_counts(passed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """a_b = the first row j of request b whose draft did not pass (a request's last row has no draft
+    and never passes): the segment-wise cumulative product of `passed` [R], as one scatter-min. -> [B]."""
+    R = batch.num_rows
+    first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, batch.row_idx)
+    a = torch.full((batch.num_requests,), R + 1, dtype=torch.int64, device=passed.device)
+    return a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
+
+
+def _sampled_candidates(x: torch.Tensor, batch: SamplingBatch, failed: torch.Tensor):
+    """Candidates [R] (argmax on greedy rows, a draw from p on rows without q; rows with q are filled
+    later) and passed [R]; returns (cand, passed, probs [Rs, V] of the sampled rows)."""
+    cand = torch.zeros(batch.num_rows, dtype=torch.int64, device=x.device)
+    if batch.greedy_rows is not None:
+        cand[batch.greedy_rows] = x[batch.greedy_rows].argmax(-1)
+    s_rows = batch.sampled_rows
+    probs = sampling_probs(x if batch.all_sampled else x[s_rows], batch)
+    if batch.coupled_rows is not None:  # one-hot drafts (or none): every row draws its own token
+        c = batch.coupled_rows
+        tok, bad = inverse_cdf(probs if batch.all_coupled else probs[c],
+                               uniforms(batch.keys[c], batch.positions[c], Purpose.SAMPLE))
+        cand[s_rows[c]] = tok
+        failed.scatter_reduce_(0, batch.row_req[s_rows[c]], bad, "amax")
+    passed = cand == batch.row_draft
+    if batch.q is not None:  # accept tests u * q(d) < p(d) on every verify row of a draft model's request
+        qr = batch.q_rows
+        d = batch.row_draft[s_rows[qr]]
+        ar = torch.arange(d.shape[0], device=x.device)
+        u = uniforms(batch.keys[qr], batch.positions[qr], Purpose.ACCEPT)
+        passed[s_rows[qr]] = u * batch.q[ar, d].double() < probs[qr, d].double()
+    return cand, passed, probs
+
+
+def _draw_recovered_or_bonus(probs, a, cand, failed, batch: SamplingBatch) -> None:
+    """A draft model's request draws one token, at row a: the recovered token from the residual
+    norm(max(0, p - q)) after a rejection, the bonus token from p after its last draft."""
+    aq = a[batch.q_req]
+    row = batch.q_first + aq  # index into the sampled rows
+    p_row = probs[row]
+    q_row = batch.q[batch.q_offset + torch.minimum(aq, batch.q_num - 1)]
+    dist = torch.where((aq < batch.q_num).unsqueeze(1), residual(p_row, q_row), p_row)
+    tok, bad = inverse_cdf(dist, uniforms(batch.keys[row], batch.positions[row], Purpose.SAMPLE))
+    cand[batch.sampled_rows[row]] = tok
+    failed[batch.q_req] |= bad
 
 
 @dataclass
