@@ -17,7 +17,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from jinja2 import TemplateError
 
 from specserve.config import EngineConfig, SpeculativeConfig

@@ -145,7 +145,6 @@ def sample_request(
     draft_probs: torch.Tensor | None,
     stop_ids: list[int],
     key: int,
-    argmax: list[int] | None = None,
 ) -> SampleResult:
     """Verify `drafts` (possibly none) against the target rows of one request.
 
@@ -154,7 +153,6 @@ def sample_request(
         draft_probs: [len(drafts), V] q for sampled drafts, or None (one-hot).
         key: the request's stream key (`specserve.sample.uniforms.seed_key(seed)`); row j's uniforms are
             u(key, len(output_ids) + j, purpose).
-        argmax: precomputed argmax of the raw rows, usable when no processor applies (a batch fast path).
 
     Returns:
         SampleResult.
@@ -167,8 +165,7 @@ def sample_request(
         return counter_uniform(key, base + j, purpose)
 
     if params.greedy:
-        target_argmax = argmax if (argmax is not None and not processed) else x.argmax(-1).tolist()
-        tokens, a = greedy_verify(drafts, target_argmax)
+        tokens, a = greedy_verify(drafts, x.argmax(-1).tolist())
     elif draft_probs is None:  # one-hot drafts: the committed tokens do not depend on the drafts
         tokens, a = sample_and_match(drafts, logits_to_probs(x, params), uniform)
     else:
