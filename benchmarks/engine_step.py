@@ -133,7 +133,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / (f"engine_step_{args.model}" + (f"_{args.tag}" if args.tag else "") + ".json")).write_text(
+        (out / (f"engine_step_{Path(args.model).name}" + (f"_{args.tag}" if args.tag else "") + ".json")).write_text(
             json.dumps(res, indent=2) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}))
 
