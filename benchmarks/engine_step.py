@@ -1,6 +1,7 @@
 """Engine step cost, side by side for two source trees (e.g. main and a branch): decode tokens/s and the
-engine's own time per step (step wall time minus the target forward), greedy / sampled / ngram, batch 1
-and 4, on one real model.
+engine's own time per step (step time minus the target forward), greedy / sampled / ngram, batch 1
+and 4, on one real model. Both in wall time and in the engine thread's CPU time (`time.thread_time`,
+which a loaded machine's preemption does not inflate; with 1 torch thread all the work is on that thread).
 
 Each tree runs in its own child process (PYTHONPATH=tree), children alternate A B B A ..., each child
 loads the model once and runs every configuration; the figures are medians over the children of each
@@ -50,16 +51,17 @@ def child(args) -> None:
     llm = LLM(args.model, max_model_len=512, max_num_seqs=4, device="cpu", dtype="float32")
     eng = llm.engine
     runner = eng.target.runner
-    fwd_time = [0.0]
+    fwd = [0.0, 0.0]  # wall, cpu seconds in the target forward during one step
     name = "execute" if hasattr(runner, "execute") else "forward"
     orig = getattr(runner, name)
 
     def timed(*a, **k):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return orig(*a, **k)
         finally:
-            fwd_time[0] += time.perf_counter() - t0
+            fwd[0] += time.perf_counter() - t0
+            fwd[1] += time.thread_time() - c0
 
     setattr(runner, name, timed)
     out = {}
@@ -69,20 +71,22 @@ def child(args) -> None:
         for i in range(bs):
             eng.add_request(f"{cname}-{i}", PROMPTS[i], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sp),
                             speculative_config=cfg)
-        steps, step_s, fwd_s, tokens = 0, 0.0, 0.0, 0
+        steps, tokens, tot = 0, 0, [0.0, 0.0, 0.0, 0.0]  # step wall, step cpu, forward wall, forward cpu
         while eng.has_unfinished_requests():
             decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.scheduler.running) and not eng.scheduler.waiting
-            fwd_time[0] = 0.0
-            t0 = time.perf_counter()
+            fwd[0] = fwd[1] = 0.0
+            t0, c0 = time.perf_counter(), time.thread_time()
             outs = eng.step()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             if decoding:  # decode steps only: prefill excluded
                 steps += 1
-                step_s += dt
-                fwd_s += fwd_time[0]
                 tokens += sum(len(o.new_token_ids) for o in outs)
-        out[cname] = {"decode_tok_s": tokens / step_s, "overhead_ms_per_step": 1000 * (step_s - fwd_s) / steps,
-                      "step_ms": 1000 * step_s / steps, "steps": steps, "tokens": tokens}
+                for i, v in enumerate((dt, dc, fwd[0], fwd[1])):
+                    tot[i] += v
+        out[cname] = {"decode_tok_s": tokens / tot[0], "decode_tok_per_cpu_s": tokens / tot[1],
+                      "overhead_ms_per_step": 1000 * (tot[0] - tot[2]) / steps,
+                      "overhead_cpu_ms_per_step": 1000 * (tot[1] - tot[3]) / steps,
+                      "step_ms": 1000 * tot[0] / steps, "steps": steps, "tokens": tokens}
     print("RESULT " + json.dumps(out))
 
 
@@ -117,16 +121,20 @@ def main() -> None:
         runs[tree].append(json.loads(line[0][7:]))
         print(f"{tree}: {line[0][7:]}", flush=True)
     a, b = trees
+    keys = ("decode_tok_s", "decode_tok_per_cpu_s", "overhead_ms_per_step", "overhead_cpu_ms_per_step")
     rows = {}
     for cname, *_ in CONFIGS:
-        med = {t: {k: statistics.median(run[cname][k] for run in runs[t]) for k in ("decode_tok_s", "overhead_ms_per_step")}
-               for t in trees}
+        med = {t: {k: statistics.median(run[cname][k] for run in runs[t]) for k in keys} for t in trees}
         rows[cname] = {"a": med[a], "b": med[b], "tok_s_ratio_b_over_a": med[b]["decode_tok_s"] / med[a]["decode_tok_s"],
-                       "overhead_ms_b_minus_a": med[b]["overhead_ms_per_step"] - med[a]["overhead_ms_per_step"]}
-    print(f"{'config':<12}{'A tok/s':>10}{'B tok/s':>10}{'B/A':>8}{'A ovh ms':>10}{'B ovh ms':>10}")
+                       "tok_per_cpu_s_ratio_b_over_a": med[b]["decode_tok_per_cpu_s"] / med[a]["decode_tok_per_cpu_s"],
+                       "overhead_cpu_ms_b_minus_a": med[b]["overhead_cpu_ms_per_step"] - med[a]["overhead_cpu_ms_per_step"]}
+    print(f"{'config':<12}{'A tok/s':>9}{'B tok/s':>9}{'B/A':>7}{'A tok/cpu-s':>12}{'B tok/cpu-s':>12}{'B/A':>7}"
+          f"{'A ovh cpu ms':>13}{'B ovh cpu ms':>13}")
     for cname, r in rows.items():
-        print(f"{cname:<12}{r['a']['decode_tok_s']:>10.2f}{r['b']['decode_tok_s']:>10.2f}{r['tok_s_ratio_b_over_a']:>8.3f}"
-              f"{r['a']['overhead_ms_per_step']:>10.2f}{r['b']['overhead_ms_per_step']:>10.2f}")
+        A, B = r["a"], r["b"]
+        print(f"{cname:<12}{A['decode_tok_s']:>9.2f}{B['decode_tok_s']:>9.2f}{r['tok_s_ratio_b_over_a']:>7.3f}"
+              f"{A['decode_tok_per_cpu_s']:>12.2f}{B['decode_tok_per_cpu_s']:>12.2f}{r['tok_per_cpu_s_ratio_b_over_a']:>7.3f}"
+              f"{A['overhead_cpu_ms_per_step']:>13.2f}{B['overhead_cpu_ms_per_step']:>13.2f}")
     res = {"benchmark": "engine_step", "model": args.model, "tree_a": a, "tree_b": b, "max_tokens": args.max_tokens,
            "rounds": args.rounds, "conditions": f"{platform.machine()}, {args.threads} threads, fp32, cpu; load "
            f"average {os.getloadavg()[0]:.2f} at the end", "rows": rows, "runs": runs}

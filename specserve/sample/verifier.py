@@ -41,14 +41,15 @@ class VerifyOutput:
     Attributes:
         tokens: int64 [R], row j of request b holds its j-th committed token if j <= a_b.
         num_accepted: int64 [B], a_b.
-        failed: bool [B], a sampled row of the request had no valid distribution.
+        failed: bool [B], a sampled row of the request had no valid distribution; None when no row
+            was sampled.
         logprob_chosen: float32 [Rl] raw logprob of `tokens` on `batch.logprob_rows`; logprob_top_ids,
             logprob_top: int64 / float32 [Rl, top_n]; None when no request asked.
     """
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
-    failed: torch.Tensor
+    failed: torch.Tensor | None
     logprob_chosen: torch.Tensor | None = None
     logprob_top_ids: torch.Tensor | None = None
     logprob_top: torch.Tensor | None = None
@@ -72,17 +73,20 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
         VerifyOutput on the logits' device.
     """
     x = apply_processors(logits, batch)
-    failed = torch.zeros(batch.num_requests, dtype=torch.bool, device=logits.device)
+    failed = None
     probs = None
     if batch.sampled_rows is None:
         cand = x.argmax(-1)
-        passed = cand == batch.row_draft
+        passed = cand == batch.row_draft  # a request's last row has draft -1: never passes
     else:
+        failed = torch.zeros(batch.num_requests, dtype=torch.bool, device=logits.device)
         cand, passed, probs = _sampled_candidates(x, batch, failed)
     a = accepted_counts(passed, batch)
-    if batch.q is not None:
+    if batch.q is None:
+        tokens = cand  # greedy and one-hot rows: an accepted draft equals its row's candidate
+    else:
         _draw_recovered_or_bonus(probs, a, cand, failed, batch)
-    tokens = torch.where(batch.row_idx < a[batch.row_req], batch.row_draft, cand)
+        tokens = torch.where(batch.row_idx < a[batch.row_req], batch.row_draft, cand)
     out = VerifyOutput(tokens, a, failed)
     if batch.logprob_rows is not None:
         lp = torch.log_softmax(logits[batch.logprob_rows].float(), dim=-1)
@@ -94,9 +98,9 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
 
 def accepted_counts(passed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """a_b = the first row j of request b whose draft did not pass (a request's last row has no draft
-    and never passes): the segment-wise cumulative product of `passed` [R], as one scatter-min. -> [B]."""
+    and must not pass): the segment-wise cumulative product of `passed` [R], as one scatter-min. -> [B]."""
     R = batch.num_rows
-    first_fail = torch.where(passed & (batch.row_draft >= 0), R + 1, batch.row_idx)
+    first_fail = torch.where(passed, R + 1, batch.row_idx)
     a = torch.full((batch.num_requests,), R + 1, dtype=torch.int64, device=passed.device)
     return a.scatter_reduce_(0, batch.row_req, first_fail, "amin")
 
@@ -168,11 +172,15 @@ class VerifyResult:
 def to_host(out: VerifyOutput, batch: SamplingBatch) -> VerifyResult:
     """The step's one device-to-host copy (a single packed tensor)."""
     R, B = batch.num_rows, batch.num_requests
+    failed = out.failed if out.failed is not None else torch.zeros(B, dtype=torch.bool, device=out.tokens.device)
     if out.logprob_chosen is None:
-        flat = torch.cat([out.tokens, out.num_accepted, out.failed.to(torch.int64)]).tolist()
+        if out.failed is None:
+            flat = torch.cat([out.tokens, out.num_accepted]).tolist()
+            return VerifyResult(flat[:R], flat[R:], [False] * B, None, {})
+        flat = torch.cat([out.tokens, out.num_accepted, failed.to(torch.int64)]).tolist()
         return VerifyResult(flat[:R], flat[R : R + B], [bool(f) for f in flat[R + B :]], None, {})
     n, Rl = batch.top_n, out.logprob_chosen.shape[0]
-    parts = [out.tokens, out.num_accepted, out.failed, out.logprob_chosen]
+    parts = [out.tokens, out.num_accepted, failed, out.logprob_chosen]
     if n:
         parts += [out.logprob_top_ids.flatten(), out.logprob_top.flatten()]
     flat = torch.cat([t.to(torch.float64) for t in parts]).tolist()  # ids < 2^53 and float32 values are exact
