@@ -3,7 +3,8 @@
 What it does: turns B sampled requests with R logits rows (request b owns rows
 [row_offset_b, row_offset_b + num_drafts_b + 1); docs/step-plan.md) into tensors: which request,
 row index and draft each row has, which rows are greedy or sampled, each sampled row's temperature /
-top-k / top-p / min-p, its uniforms' stream key and output position, the draft model's q rows, and the
+top-k / top-p / min-p, its uniforms (computed here, on the host: they depend only on the request's
+seed and the output position, `specserve.sample.uniforms`), the draft model's q rows, and the
 sparse edits of the logits processors, each verify row with its own history (output so far + the
 drafts before it): penalty counts, logit_bias entries, min_tokens masks. The integer metadata travels
 to the device in one copy.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from specserve.sample.sampler import needs_processing
+from specserve.sample.uniforms import Purpose, uniform
 
 if TYPE_CHECKING:
     from specserve.engine.step_plan import ScheduledRequest
@@ -55,7 +57,8 @@ class SamplingBatch:
         temperature, top_p, min_p: float32 [Rs, 1]; top_k: int64 [Rs] (V when off), per sampled row.
         any_top_k: whether any sampled row uses top-k, top_k_max the largest k used; top_p_rows, min_p_rows: int64 indices into the
             sampled rows that use top-p / min-p (None when none does).
-        keys, positions: int64 [Rs], the stream key and output position of each sampled row's uniforms.
+        u_sample: float64 [Rs], u(seed, output position, SAMPLE) of each sampled row; u_accept: float64
+            [Rq], u(seed, output position, ACCEPT) of each q row (None without q).
         coupled_rows: int64 [Rc] indices into the sampled rows of requests without q (one-hot drafts
             or none): each needs its own sample. None when there are none.
         q: float32 [Rq, V] draft distributions of the Bq sampled requests with a sampling draft model
@@ -87,8 +90,8 @@ class SamplingBatch:
     top_k_max: int = 0
     top_p_rows: torch.Tensor | None = None
     min_p_rows: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
+    u_sample: torch.Tensor | None = None
+    u_accept: torch.Tensor | None = None
     q: torch.Tensor | None = None
     q_rows: torch.Tensor | None = None
     coupled_rows: torch.Tensor | None = None
@@ -134,7 +137,7 @@ class SamplingBatch:
         for name, values in (("row_req", row_req), ("row_idx", row_idx), ("row_draft", row_draft),
                              ("greedy_rows", g_rows), ("sampled_rows", s_rows), ("logprob_rows", lp_rows)):
             ints.add(name, values)
-        floats = _sampled_rows(ints, s_reqs, V) if s_reqs else []
+        floats, us = _sampled_rows(ints, s_reqs, V) if s_reqs else ([], [])
         t = ints.send(device)
         out = cls(len(sampled), len(row_req), V, **t, logprob_offset=lp_off,
                   top_n=max((sampled[b].request.params.logprobs for b in lp_off), default=0),
@@ -143,8 +146,11 @@ class SamplingBatch:
         if s_reqs:
             ks = [s.request.params.top_k for _, s, _ in s_reqs if 0 < s.request.params.top_k < V]
             out.any_top_k, out.top_k_max = bool(ks), max(ks, default=0)
-            f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).view(3, len(s_rows), 1)
+            Rs = len(s_rows)
+            f = torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True).view(3, Rs, 1)
             out.temperature, out.top_p, out.min_p = f[0], f[1], f[2]
+            u = torch.tensor(us, dtype=torch.float64).to(device, non_blocking=True)
+            out.u_sample, out.u_accept = u[:Rs], (u[Rs:] if len(us) > Rs else None)
             qs = [s.draft_probs for _, s, _ in s_reqs if s.draft_probs is not None]
             if qs:
                 out.q = torch.cat(qs).to(device=device, dtype=torch.float32)
@@ -170,17 +176,17 @@ class _Pack:
         return {name: t if len(vals) else None for (name, vals), t in zip(self.items, parts)}
 
 
-def _sampled_rows(ints: _Pack, s_reqs, V: int) -> list[float]:
-    """Per sampled row: top_k, stream key, output position; the rows using top-p / min-p; coupled rows;
-    the q bookkeeping. Adds them to `ints`; returns temperature + top_p + min_p per row (floats)."""
-    top_k, keys, pos, tp_rows, mp_rows, c_rows, q_rows = [], [], [], [], [], [], []
+def _sampled_rows(ints: _Pack, s_reqs, V: int) -> tuple[list[float], list[float]]:
+    """Per sampled row: top_k; the rows using top-p / min-p; coupled rows; the q bookkeeping (added to
+    `ints`). Returns (temperature + top_p + min_p per row, u_sample per row + u_accept per q row)."""
+    top_k, tp_rows, mp_rows, c_rows, q_rows = [], [], [], [], []
     q_req, q_first, q_offset, q_num = [], [], [], []
-    temp, top_p, min_p = [], [], []
+    temp, top_p, min_p, u_sample, u_accept = [], [], [], [], []
     for b, s, first in s_reqs:
         r, p, n = s.request, s.request.params, s.num_rows
         top_k += [p.top_k if 0 < p.top_k < V else V] * n
-        keys += [r.rng_key] * n
-        pos += range(r.num_output_tokens, r.num_output_tokens + n)
+        m, key = r.num_output_tokens, r.rng_key
+        u_sample += [uniform(key, m + j, Purpose.SAMPLE) for j in range(n)]
         temp += [p.temperature] * n
         top_p += [p.top_p] * n
         min_p += [p.min_p] * n
@@ -190,17 +196,17 @@ def _sampled_rows(ints: _Pack, s_reqs, V: int) -> list[float]:
             q_offset.append(len(q_rows))
             q_num.append(s.num_drafts)
             q_rows += range(first, first + s.num_drafts)
+            u_accept += [uniform(key, m + j, Purpose.ACCEPT) for j in range(s.num_drafts)]
         else:
             c_rows += range(first, first + n)
         if p.top_p < 1.0:
             tp_rows += range(first, first + n)
         if p.min_p > 0.0:
             mp_rows += range(first, first + n)
-    for name, values in (("top_k", top_k), ("keys", keys), ("positions", pos), ("top_p_rows", tp_rows),
-                         ("min_p_rows", mp_rows), ("coupled_rows", c_rows), ("q_rows", q_rows), ("q_req", q_req),
+    for name, values in (("top_k", top_k), ("top_p_rows", tp_rows), ("min_p_rows", mp_rows), ("coupled_rows", c_rows), ("q_rows", q_rows), ("q_req", q_req),
                          ("q_first", q_first), ("q_offset", q_offset), ("q_num", q_num)):
         ints.add(name, values)
-    return temp + top_p + min_p
+    return temp + top_p + min_p, u_sample + u_accept
 
 
 def _processor_edits(out: SamplingBatch, proc: Sequence["ScheduledRequest"], V: int, eos: list[int], device) -> None:

@@ -3,11 +3,11 @@
 What it does, for B requests with R rows (request b: n_b drafts, rows j = 0..n_b; docs/step-plan.md):
 1. logits processors for all rows (`specserve.sample.processors`);
 2. a candidate token per row: greedy rows take the argmax; sampled rows without q (one-hot drafts or
-   none) draw from p by inverse CDF with the row's uniform u(key, output position, SAMPLE)
-   (`specserve.sample.uniforms`);
+   none) draw from p by inverse CDF with the row's uniform u(seed, output position, SAMPLE)
+   (`specserve.sample.uniforms`; computed on the host with the batch, they are input data);
 3. which drafts pass: greedy and one-hot drafts (n-gram, suffix, a greedy draft) pass while the
    candidate equals the draft (for sampled rows this is the coupled rule: the committed tokens do not
-   depend on the drafts); drafts with a q pass when u(key, position, ACCEPT) * q(d) < p(d) (accept with
+   depend on the drafts); drafts with a q pass when u(seed, position, ACCEPT) * q(d) < p(d) (accept with
    min(1, p/q); Leviathan et al. 2023, Chen et al. 2023);
 4. the accepted count a_b = index of the first row that does not pass (the last row never passes),
    a segment-wise cumulative product done as a scatter-min; a request with q then draws its one
@@ -31,7 +31,6 @@ from specserve.outputs import TokenLogprob
 from specserve.sample.batch import SamplingBatch
 from specserve.sample.inverse_cdf import inverse_cdf
 from specserve.sample.processors import apply_processors, sampling_probs
-from specserve.sample.uniforms import Purpose, uniforms
 
 
 @dataclass
@@ -116,7 +115,7 @@ def _sampled_candidates(x: torch.Tensor, batch: SamplingBatch, failed: torch.Ten
     if batch.coupled_rows is not None:  # one-hot drafts (or none): every row draws its own token
         c = batch.coupled_rows
         tok, bad = inverse_cdf(probs if batch.all_coupled else probs[c],
-                               uniforms(batch.keys[c], batch.positions[c], Purpose.SAMPLE))
+                               batch.u_sample if batch.all_coupled else batch.u_sample[c])
         cand[s_rows[c]] = tok
         failed.scatter_reduce_(0, batch.row_req[s_rows[c]], bad, "amax")
     passed = cand == batch.row_draft
@@ -124,8 +123,7 @@ def _sampled_candidates(x: torch.Tensor, batch: SamplingBatch, failed: torch.Ten
         qr = batch.q_rows
         d = batch.row_draft[s_rows[qr]]
         ar = torch.arange(d.shape[0], device=x.device)
-        u = uniforms(batch.keys[qr], batch.positions[qr], Purpose.ACCEPT)
-        passed[s_rows[qr]] = u * batch.q[ar, d].double() < probs[qr, d].double()
+        passed[s_rows[qr]] = batch.u_accept * batch.q[ar, d].double() < probs[qr, d].double()
     return cand, passed, probs
 
 
@@ -137,7 +135,7 @@ def _draw_recovered_or_bonus(probs, a, cand, failed, batch: SamplingBatch) -> No
     p_row = probs[row]
     q_row = batch.q[batch.q_offset + torch.minimum(aq, batch.q_num - 1)]
     dist = torch.where((aq < batch.q_num).unsqueeze(1), residual(p_row, q_row), p_row)
-    tok, bad = inverse_cdf(dist, uniforms(batch.keys[row], batch.positions[row], Purpose.SAMPLE))
+    tok, bad = inverse_cdf(dist, batch.u_sample[row])
     cand[batch.sampled_rows[row]] = tok
     failed[batch.q_req] |= bad
 

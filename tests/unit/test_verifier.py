@@ -15,7 +15,7 @@ from specserve.request import Request
 from specserve.sample.batch import SamplingBatch
 from specserve.sample.processors import apply_processors, sampling_probs
 from specserve.sample.sampler import logits_to_probs, needs_processing, process_logits, sample_request
-from specserve.sample.uniforms import Purpose, seed_key, uniform, uniforms
+from specserve.sample.uniforms import Purpose, seed_key, uniform
 from specserve.sample.verifier import to_host, verify
 from specserve.sampling_params import SamplingParams
 
@@ -171,23 +171,20 @@ def test_nan_rows_fail_only_their_request():
     assert got.failed == [True, False]
 
 
-def test_uniforms_match_the_scalar_reference():
+def test_uniforms_are_uniform_and_keyed():
     rng = random.Random(0)
-    seeds = [rng.getrandbits(63) for _ in range(300)] + [0, 1, -1, 2**64 + 5, -(2**70)]
-    keys = [seed_key(s) for s in seeds]
-    pos = [rng.randrange(1 << 24) for _ in keys]
-    for purpose in Purpose:
-        ref = [uniform(k, q, purpose) for k, q in zip(keys, pos)]
-        assert uniforms(torch.tensor(keys), torch.tensor(pos), int(purpose)).tolist() == ref
-        assert all(0.0 <= u < 1.0 for u in ref)
-    assert seed_key(5) != seed_key(6) and uniform(seed_key(5), 0, 0) != uniform(seed_key(5), 0, 1)
-
-
-def test_uniforms_are_uniform():
-    u = uniforms(torch.full((20000,), seed_key(7)), torch.arange(20000), 0)
-    counts = torch.histc(u.float(), bins=20, min=0, max=1).tolist()
+    seeds = [rng.getrandbits(63) for _ in range(50)] + [0, 1, -1, 2**64 + 5, -(2**70)]
+    assert len({seed_key(s) for s in seeds}) == len(seeds) - 1  # 2**64 + 5 and 5 are the same seed mod 2^64
+    assert seed_key(5) == seed_key(2**64 + 5)
+    assert uniform(seed_key(5), 0, 0) != uniform(seed_key(5), 0, 1) != uniform(seed_key(5), 1, 0)
+    u = [uniform(seed_key(7), m, Purpose.SAMPLE) for m in range(20000)]
+    assert all(0.0 <= x < 1.0 for x in u)
+    counts = torch.histc(torch.tensor(u), bins=20, min=0, max=1).tolist()
     assert chisquare(counts).pvalue > 0.001
-    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.03
+    t = torch.tensor(u)
+    assert abs(float(torch.corrcoef(torch.stack([t[:-1], t[1:]]))[0, 1])) < 0.03
+    across = torch.tensor([uniform(seed_key(s), 3, Purpose.ACCEPT) for s in range(20000)])  # across seeds
+    assert chisquare(torch.histc(across, bins=20, min=0, max=1).tolist()).pvalue > 0.001
 
 
 def _one_row_batch(logits, params, drafts_per_request, q):
@@ -247,12 +244,13 @@ def test_inverse_cdf_blocks_row_independent_and_never_zero_mass():
     g = torch.Generator().manual_seed(0)
     V, N = 2 * 1024 + 300, 4000
     p = torch.rand(8, V, generator=g) * (torch.rand(8, V, generator=g) < 0.3)
-    u = uniforms(torch.full((8,), seed_key(1)), torch.arange(8), 0)
+    u = torch.tensor([uniform(seed_key(1), m, 0) for m in range(8)], dtype=torch.float64)
     tok, bad = inverse_cdf(p, u)
     assert not bad.any() and (p[torch.arange(8), tok] > 0).all()
     assert [int(inverse_cdf(p[i : i + 1], u[i : i + 1])[0]) for i in range(8)] == tok.tolist()
     w = torch.zeros(V)
     w[[5, 1500, V - 1]] = torch.tensor([0.5, 0.3, 0.2])
-    draws = inverse_cdf(w.repeat(N, 1), uniforms(torch.full((N,), seed_key(2)), torch.arange(N), 0))[0].tolist()
+    u = torch.tensor([uniform(seed_key(2), m, 0) for m in range(N)], dtype=torch.float64)
+    draws = inverse_cdf(w.repeat(N, 1), u)[0].tolist()
     counts = [draws.count(t) for t in (5, 1500, V - 1)]
     assert sum(counts) == N and chisquare(counts, [0.5 * N, 0.3 * N, 0.2 * N]).pvalue > 0.01
