@@ -331,7 +331,8 @@ class LLMEngine:
                 tokens, a, lps = result.committed(i, s.row_offset, r.params.logprobs)
                 outputs.append(self._commit_request(s, tokens, a, lps))
             except Exception as e:  # one request's failure must not take the batch (or the server) down
-                logger.exception("request %s failed while sampling; finishing it with finish_reason 'error'", r.request_id)
+                logger.exception("request %s failed in verification or commit; finishing it with finish_reason "
+                                 "'error'", r.request_id)
                 r.finish_reason, r.stop_reason = "error", f"{type(e).__name__}: {e}"
                 self._finish(r)
                 outputs.append(self._make_output(r))
