@@ -56,6 +56,8 @@ class ModelInput:
         logits_indices: [R] flat token index of each logits row.
         slots, start_positions, query_lens, num_rows: the same per sequence as host lists (KV
             bookkeeping and attention metadata).
+        token_ids: the new tokens per sequence as host lists (the CUDA runner packs its graph inputs
+            from these; `specserve.engine.cuda_graph_runner`).
     """
 
     input_ids: torch.Tensor
@@ -68,6 +70,7 @@ class ModelInput:
     start_positions: list[int]
     query_lens: list[int]
     num_rows: list[int]
+    token_ids: list[list[int]]
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +112,7 @@ class ModelInput:
         flat = torch.tensor(ids + pos + slot_map + qsl + seq_lens + rows, dtype=torch.int64)
         flat = flat.to(device, non_blocking=True)
         parts = flat.split([T, T, T, B + 1, B, len(rows)])
-        return cls(*parts, list(slots), list(starts), qlens, list(num_rows))
+        return cls(*parts, list(slots), list(starts), qlens, list(num_rows), list(token_ids))
 
 
 class ModelRunner:
