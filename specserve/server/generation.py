@@ -3,8 +3,10 @@ body out, and the outcome recorded exactly once (request log line + Prometheus s
 
 What it does: reads the `QueueItem`s of the request's `EngineRequest`. An `Output` is one choice's
 step delta (new text, new token ids, new logprobs, a frozen counter snapshot): `stream()` sends it as
-it comes (chat sends a role chunk first; a delta with nothing new is skipped; the chunk with
-finish_reason and the usage chunk carry the `specserve` block), and both modes sum each choice's
+it comes (chat sends a role chunk first; a delta with nothing new is skipped; with
+`continuous_usage_stats` every chunk carries that choice's usage so far, and a delta whose tokens add
+no text yet still gets a chunk, so per-chunk token counts are exact; the chunk with finish_reason and
+the usage chunk carry the `specserve` block), and both modes sum each choice's
 deltas (`OutputAccumulator`) for usage, the counters and the non-streaming body (`collect()`).
 `Aborted` ends a choice; `Failed` (the engine died) ends the request with 503, and a choice the
 engine finished with "error" (it failed on this request alone) with 500. A client that
@@ -53,15 +55,18 @@ class Generation:
         state: the server's state (metrics, request log, token text, model name, engine client).
         rid: the response id; chat: chat or completions shapes; record: the request log line so far.
         profile: the speculation profile chosen; submitted: what `EngineClient.submit` returned.
-        t0: when the request arrived (s, time.monotonic); want_logprobs, include_usage: from the body.
+        t0: when the request arrived (s, time.monotonic); want_logprobs, include_usage: from the body;
+        continuous_usage: `stream_options.continuous_usage_stats` (vLLM's key; only with include_usage).
         prompt_for_log: what the request log records as "prompt" (with --log-prompts), else None.
     """
 
     def __init__(self, state: ServerState, rid: str, chat: bool, record: dict, profile: Profile, submitted: EngineRequest,
-                 *, t0: float, want_logprobs: bool, include_usage: bool, prompt_for_log: Any = None):
+                 *, t0: float, want_logprobs: bool, include_usage: bool, continuous_usage: bool = False,
+                 prompt_for_log: Any = None):
         self.state, self.rid, self.chat, self.record, self.profile = state, rid, chat, record, profile
         self.prompt_ids, self.queue, self.child_ids = submitted.prompt_token_ids, submitted.queue, submitted.child_ids
         self.t0, self.want_logprobs, self.include_usage = t0, want_logprobs, include_usage
+        self.continuous_usage = include_usage and continuous_usage  # vLLM: needs include_usage too
         self.prompt_for_log = prompt_for_log
         self.created = int(time.time())
         self.choices = [_Choice() for _ in self.child_ids]
@@ -189,22 +194,26 @@ class Generation:
 
     def _delta_chunk(self, index: int, out: RequestOutput) -> dict | None:
         """The chunk for one choice's delta, or None when it carries nothing new."""
-        lp = None
+        lp, new_lps = None, []
+        c = self.choices[index]
         if self.want_logprobs:
             new_lps = out.new_logprobs or []
             if self.chat:
                 lp = fmt.chat_logprobs(new_lps, self.state.token_text)
             else:
-                c = self.choices[index]
                 lp = fmt.completion_logprobs(new_lps, self.state.token_text, c.text_offset)
                 c.text_offset += sum(len(t) for t in lp["tokens"])
-            if not new_lps and not out.new_text and not out.finished:
-                return None
-        elif not out.new_text and not out.finished:
+        counted = self.continuous_usage and bool(out.new_token_ids)  # tokens whose text is held back still count
+        if not (out.new_text or out.finished or counted or new_lps):
             return None
         return fmt.chunk(self.chat, self.rid, self.created, self.state.model_name, index,
                          text=out.new_text, logprobs=lp, finish_reason=out.finish_reason if out.finished else None,
-                         include_usage=self.include_usage, spec_block=self.spec_block() if out.finished else None)
+                         include_usage=self.include_usage, chunk_usage=self._chunk_usage(len(c.acc.token_ids)),
+                         spec_block=self.spec_block() if out.finished else None)
+
+    def _chunk_usage(self, completion_tokens: int) -> dict | None:
+        """Continuous usage stats: the choice's tokens so far (vLLM's per-choice count), else None."""
+        return fmt.usage(len(self.prompt_ids), completion_tokens) if self.continuous_usage else None
 
     async def stream(self):
         """The SSE body. Any exit before the end (disconnect, cancel) aborts the engine requests."""
@@ -213,7 +222,7 @@ class Generation:
             if self.chat:
                 for i in range(len(self.choices)):
                     yield fmt.sse(fmt.chunk(True, self.rid, self.created, name, i, role="assistant", text="",
-                                            include_usage=self.include_usage))
+                                            include_usage=self.include_usage, chunk_usage=self._chunk_usage(0)))
             while not self.done:
                 item = await self.queue.get()
                 try:

@@ -25,8 +25,12 @@ MAX_N = 16  # the server's fan-out limit per request (offline, SamplingParams al
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the request's usage (OpenAI); `continuous_usage_stats`
+    (vLLM's key, needs include_usage): usage on every chunk too."""
+
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):

@@ -167,6 +167,7 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
     gen = Generation(state, rid, chat, record, profile, submitted, t0=t0,
                      want_logprobs=params.logprobs is not None,
                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                     continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
                      prompt_for_log=_prompt_for_log(prompt) if state.request_log.log_prompts else None)
     headers = {PROFILE_HEADER: profile.name, "x-request-id": rid}
     if req.stream:
