@@ -99,7 +99,8 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
     if est:
         add("output_tokens_estimate", f"ESTIMATE: output token counts of {est} are estimates: the server sent no "
                                       "usage, so each chunk counted as one token (tokens/s and TPOT follow)", False)
-    wide = _names(groups, lambda g: g["overall"].get("acceptance_source") == "metrics_delta")
+    wide = _names(groups, lambda g: g["overall"].get("acceptance_source") == "metrics_delta"
+                  and g["overall"].get("acceptance_rate") is not None)
     if wide:
         add("acceptance_server_wide", f"acceptance of {wide} comes from the server's /metrics delta around each "
                                       f"run: {SERVER_WIDE} (other clients, and other profiles when the server "

@@ -71,12 +71,14 @@ def pair_warnings(bg: dict, cg: dict, base: str, cand: str) -> list[dict]:
         out.append({"kind": "error_rate", "message": f"{base} has more failed requests than {cand} ({eb:.1%} vs "
                                                      f"{ec:.1%}): the speed ratios compare different sets of "
                                                      "requests"})
-    for name, g in ((base, bg), (cand, cg)):
-        if g.get("profile_check") in ("unverified", "mismatch"):
-            out.append({"kind": "profile_unverified",
-                        "message": f"{name}: profile {g['profile_check'].upper()} (no response confirmed the "
-                                   "profile that served it): the two sides may be the same configuration"})
-    if any(g["overall"].get("acceptance_source") == "metrics_delta" for g in (bg, cg)):
+    unconfirmed = [f"{name} {g['profile_check'].upper()}" for name, g in ((base, bg), (cand, cg))
+                   if g.get("profile_check") in ("unverified", "mismatch")]
+    if unconfirmed:
+        out.append({"kind": "profile_unverified",
+                    "message": f"profile {', '.join(unconfirmed)} (the responses did not confirm the profile that "
+                               "served them): the two sides may be the same configuration"})
+    if any(g["overall"].get("acceptance_source") == "metrics_delta" and g["overall"].get("acceptance_rate") is not None
+           for g in (bg, cg)):
         out.append({"kind": "acceptance_server_wide",
                     "message": f"acceptance from the server's /metrics delta: {SERVER_WIDE}"})
     return out

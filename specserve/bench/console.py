@@ -88,8 +88,9 @@ def print_summary(summary: dict, file=None) -> None:
         con.print(t)
     if starred:
         con.print(SERVER_WIDE_NOTE)
-    if summary.get("comparisons"):
-        print_comparisons(summary["comparisons"], file)
+    if summary.get("comparisons"):  # the run's own checks follow: print only what is particular to a pair
+        said = {c["kind"] for c in (summary.get("problems") or []) + (summary.get("warnings") or [])}
+        print_comparisons(summary["comparisons"], file, skip_kinds={"profile_unverified", "acceptance_server_wide"} & said)
     print_checks(summary, file)
 
 
@@ -99,9 +100,9 @@ def speedup_cell(v, comparable: bool | None) -> str:
     return c + " (!)" if c != "-" and comparable is False else c
 
 
-def print_comparisons(comps: list[dict], file=None) -> None:
+def print_comparisons(comps: list[dict], file=None, skip_kinds=frozenset()) -> None:
     """Per-segment table of candidate vs baseline: speedup = baseline TPOT / candidate TPOT (token-weighted),
-    both error rates side by side, then the comparison's warnings."""
+    both error rates side by side, then the comparison's warnings (but those of `skip_kinds`)."""
     con = _console(file)
     for c in comps:
         t = Table(title=f"{c['candidate']} vs {c['baseline']} | {c['load']} | ratio = candidate / baseline; "
@@ -122,7 +123,8 @@ def print_comparisons(comps: list[dict], file=None) -> None:
                       f"{gm[0]}/{gm[1]}" if gm else "-", style="bold" if name == "all" else None)
         con.print(t)
         for w in c.get("warnings") or []:  # the server-wide one explains the starred acceptance
-            con.print(f"WARNING: {w['message']}", style="yellow", soft_wrap=True)
+            if w["kind"] not in skip_kinds:
+                con.print(f"WARNING: {w['message']}", style="yellow", soft_wrap=True)
 
 
 def print_profile_table(rows: list[dict], title: str, file=None) -> None:
