@@ -13,7 +13,8 @@ numbers are not what their labels say: `specserve bench` exits 1 unless the user
   are estimates, not counts (`client.py`);
 - `acceptance_server_wide`: acceptance taken from the server's /metrics delta around a run, which
   includes every other client's traffic;
-- `ignore_eos_not_honoured`: with `--ignore-eos`, outputs that ended before max_tokens.
+- `ignore_eos_not_honoured`: with `--ignore-eos`, outputs that ended before max_tokens;
+  `max_tokens_exceeded`: outputs longer than the max_tokens sent (a server that ignores the field).
 The console, summary.json and report.html show these same sentences.
 What it does not do: compute metrics or print anything.
 """
@@ -113,4 +114,10 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
                                            "requests ended before max_tokens (finish_reason "
                                            f"{short[0].get('finish_reason')}): the server may not honour "
                                            "ignore_eos, so output lengths are not fixed", False)
+    over = [r for r in rows if ok(r) and r.get("output_tokens") is not None and r.get("max_tokens")
+            and r["output_tokens"] > r["max_tokens"]]
+    if over:
+        add("max_tokens_exceeded", f"{len(over)} requests returned more tokens than the max_tokens sent (e.g. "
+                                   f"{over[0]['output_tokens']} > {over[0]['max_tokens']}): the server may ignore "
+                                   "max_tokens, so these requests are not the workload asked for", False)
     return problems, warnings

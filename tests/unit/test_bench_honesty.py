@@ -211,3 +211,23 @@ def test_against_our_own_server_counts_are_exact_and_e2e_is_the_eos_chunk():
             assert [n for _, n in r["chunks"]] == truth[r["sample_id"]] and max(n for _, n in r["chunks"]) > 1
         else:  # one token a step; the EOS token comes alone, with no text, one 30 ms step after the last text
             assert [n for _, n in r["chunks"]] == [1] * 10 and r["chunks"][-1][0] - r["chunks"][-2][0] >= 20
+
+
+def test_checks_on_hand_made_rows():
+    """The same class as an ignored ignore_eos: a server that ignores max_tokens is reported; the
+    profile check distinguishes confirmed, unconfirmed and contradicted profiles."""
+    from specserve.bench import checks
+
+    def row(served, out=8, mt=8, error=None):
+        return {"chunks": [[1.0, out]], "output_tokens": out, "max_tokens": mt, "served_profile": served,
+                "error": error, "finish_reason": "length"}
+    assert checks.profile_check([row("a"), row("a"), row(None, error="x")], "a")["status"] == "verified"
+    assert checks.profile_check([row("a"), row(None)], "a") == {"status": "unverified", "named": 1, "unnamed": 1,
+                                                                "mismatched": 0}
+    assert checks.profile_check([row("b"), row(None)], "a")["status"] == "mismatch"
+    assert checks.profile_check([row(None)], None)["status"] is None
+    summary = {"groups": [{"profile": "a", "load": "c=1", "profile_check": "mismatch",
+                           "overall": {"itl_token_exact": True, "output_tokens_exact": True}}]}
+    problems, warnings = checks.evaluate(summary, [row("b", out=20, mt=8), row("b")])
+    assert [p["kind"] for p in problems] == ["profile_mismatch"] and "a c=1" in problems[0]["message"]
+    assert [w["kind"] for w in warnings] == ["max_tokens_exceeded"] and "(e.g. 20 > 8)" in warnings[0]["message"]
