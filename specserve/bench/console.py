@@ -90,7 +90,8 @@ def print_summary(summary: dict, file=None) -> None:
         con.print(SERVER_WIDE_NOTE)
     if summary.get("comparisons"):  # the run's own checks follow: print only what is particular to a pair
         said = {c["kind"] for c in (summary.get("problems") or []) + (summary.get("warnings") or [])}
-        print_comparisons(summary["comparisons"], file, skip_kinds={"profile_unverified", "acceptance_server_wide"} & said)
+        skip = {"profile_unverified", "acceptance_server_wide"} & said
+        print_comparisons(summary["comparisons"], file, skip_kinds=skip)
     print_checks(summary, file)
 
 

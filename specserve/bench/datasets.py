@@ -275,8 +275,8 @@ def warmup_samples(spec: str, n: int, seed: int, max_tokens: int, max_prompt_cha
     while len(out) < n:
         text = f"{NEUTRAL_PROMPTS[i % len(NEUTRAL_PROMPTS)]} (warm-up request {i + 1})"
         kind = kinds[i % len(kinds)]
-        s = Sample(f"warmup:neutral:{i}", "warmup", min(max_tokens, 32), messages=_user(text) if kind == "chat" else None,
-                   prompt=text if kind == "completion" else None)
+        s = Sample(f"warmup:neutral:{i}", "warmup", min(max_tokens, 32),
+                   messages=_user(text) if kind == "chat" else None, prompt=text if kind == "completion" else None)
         i += 1
         if request_key(s) not in taken:
             out.append(s)

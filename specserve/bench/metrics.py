@@ -186,8 +186,8 @@ def summarize(records, wall_s: float | None = None, slo: dict | None = None) -> 
         "tokens_per_chunk": out_tok / n_chunks if n_chunks else None,
         "token_count_sources": sorted({_get(r, "token_count_source") or "?" for r in good}),
         "itl_token_exact": all(_get(r, "token_count_source") in EXACT_SOURCES for r in good),
-        "output_tokens_exact": all(_get(r, "output_tokens") is not None or _get(r, "token_count_source") in EXACT_SOURCES
-                                   for r in good),
+        "output_tokens_exact": all(_get(r, "output_tokens") is not None
+                                   or _get(r, "token_count_source") in EXACT_SOURCES for r in good),
     }
     m.update(percentiles([ttft_ms(r) for r in good], prefix="ttft_ms_"))
     m.update(percentiles([x for x in map(tpot_ms, good) if x is not None], prefix="tpot_ms_"))

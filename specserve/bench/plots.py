@@ -73,8 +73,8 @@ def acceptance_figures(summary: dict) -> list[go.Figure]:
     lens = go.Figure()
     for g in with_acc:
         segs = [s for s, m in g["segments"].items() if m.get("acceptance_rate") is not None]
-        name = _series_name(g, len(loads)) + (" (server-wide)" if g["overall"].get("acceptance_source") == "metrics_delta"
-                                               else "")
+        wide = g["overall"].get("acceptance_source") == "metrics_delta"
+        name = _series_name(g, len(loads)) + (" (server-wide)" if wide else "")
         bars.add_trace(go.Bar(x=segs + ["all"], y=[g["segments"][s]["acceptance_rate"] for s in segs]
                               + [g["overall"]["acceptance_rate"]], name=name))
         lens.add_trace(go.Bar(x=segs + ["all"], y=[g["segments"][s].get("mean_acceptance_length") for s in segs]
@@ -113,7 +113,8 @@ def comparison_figures(summary: dict) -> list[go.Figure]:
                              textposition="outside"))
         fig.update_layout(title=f"{c['candidate']} vs {c['baseline']} ({c['load']}): TPOT per segment, "
                                 "label = speedup (baseline TPOT / candidate TPOT)"
-                                + (" - (!) not like for like, see the warnings" if c.get("comparable") is False else ""),
+                                + (" - (!) not like for like, see the warnings"
+                                   if c.get("comparable") is False else ""),
                           barmode="group", yaxis_title="ms per output token", **LAYOUT)
         figs.append(fig)
     return figs

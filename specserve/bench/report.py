@@ -3,7 +3,8 @@
 What it does: renders the run's problems and warnings first (`checks.py`: failed requests, UNVERIFIED
 profiles, ESTIMATE token counts, server-wide acceptance), then tables (data sources and licenses,
 metrics per profile x load x segment, comparisons with both error rates and their warnings, server
-numbers), each value carrying the same labels as the console, and plots: latency distributions (TTFT, TPOT, ITL per token, E2E) per
+numbers), each value carrying the same labels as the console, and plots: latency distributions
+(TTFT, TPOT, ITL per token, E2E) per
 segment, output tokens/s by load, acceptance rate by segment, acceptance by draft position, and
 baseline vs each candidate side by side (TPOT per segment with the speedup printed on the bars).
 A tiny script records JS errors and the number of rendered plots on <body> (`data-js-errors`,
@@ -42,9 +43,9 @@ seed {{ s.config.seed }}; max_tokens cap {{ s.config.max_tokens }}{% if s.config
 {% if s.problems or s.warnings %}<h2>Checks</h2><ul>
 {% for p in s.problems %}<li class="problem">PROBLEM: {{ p.message|e }}</li>{% endfor %}
 {% for w in s.warnings %}<li class="warning">WARNING: {{ w.message|e }}</li>{% endfor %}</ul>{% endif %}
-<p class="note">Definitions (specserve README, "Benchmarking"): TTFT = send to first token-bearing chunk; E2E = send to the
-stream's last chunk, whatever its text; TPOT = (E2E - TTFT) / (output tokens - 1); ITL per chunk = gap between
-token-bearing chunks, ITL per token = that gap spread over the tokens the chunk carries (tokens per chunk counted
+<p class="note">Definitions (specserve README, "Benchmarking"): TTFT = send to first token-bearing chunk;
+E2E = send to the stream's last chunk, whatever its text; TPOT = (E2E - TTFT) / (output tokens - 1);
+ITL per chunk = gap between token-bearing chunks, ITL per token = that gap spread over the tokens the chunk carries (tokens per chunk counted
 from: {{ sources_of_counts }}{% if estimated %}; <b>estimate</b> = spread evenly, so ITL per token is an ESTIMATE
 there{% endif %});
 output tokens = usage.completion_tokens; throughput = tokens / wall time; P50..P99 over requests, ITL pooled over gaps.
@@ -121,10 +122,12 @@ def _comparison_tables(s: dict) -> str:
                      f"<td>{_fmt(cd['tpot_ms_agg'], '{:.1f}')}</td><td><b>{sp}{mark if sp != '-' else ''}</b></td>"
                      f"<td>{_fmt(b['output_tps'], '{:.1f}')}</td><td>{_fmt(cd['output_tps'], '{:.1f}')}</td>"
                      f"<td>{_fmt(r['output_tps'], '{:.2f}x')}</td><td>{_fmt(r['ttft_ms_p50'], '{:.2f}x')}</td>"
-                     f"<td>{_fmt(r['e2e_ms_p50'], '{:.2f}x')}</td><td>{_accept(cd['acceptance_rate'], '{:.3f}', wide)}</td>"
+                     f"<td>{_fmt(r['e2e_ms_p50'], '{:.2f}x')}</td>"
+                     f"<td>{_accept(cd['acceptance_rate'], '{:.3f}', wide)}</td>"
                      f"<td>{_accept(cd['mean_acceptance_length'], '{:.2f}', wide)}</td>"
                      f"<td>{f'{gm[0]}/{gm[1]}' if gm else '-'}</td></tr>")
-        warns = "".join(f'<li class="warning">WARNING: {html.escape(w["message"])}</li>' for w in c.get("warnings") or [])
+        warns = "".join(f'<li class="warning">WARNING: {html.escape(w["message"])}</li>'
+                        for w in c.get("warnings") or [])
         out.append(f"<h3>{html.escape(c['candidate'])} vs {html.escape(c['baseline'])}, {html.escape(c['load'])}</h3>"
                    "<table><tr><th>segment</th><th>base err %</th><th>cand err %</th><th>base TPOT ms</th>"
                    "<th>cand TPOT ms</th><th>speedup</th><th>base tok/s</th><th>cand tok/s</th><th>tok/s ratio</th>"
@@ -167,7 +170,8 @@ def render(summary: dict, rows: list[dict]) -> str:
     return TEMPLATE.render(
         s=summary, figs=parts, tables=_metrics_tables(summary), comparisons=_comparison_tables(summary),
         server=_server_table(summary), server_wide=SERVER_WIDE,
-        profiles=", ".join(dict.fromkeys(profile_label(g["profile"], g.get("profile_check")) for g in summary["groups"])),
+        profiles=", ".join(dict.fromkeys(profile_label(g["profile"], g.get("profile_check"))
+                                         for g in summary["groups"])),
         loads=", ".join(dict.fromkeys(g["load"] for g in summary["groups"])),
         sources_of_counts=", ".join(counts) or "-", estimated=any(c not in EXACT_SOURCES for c in counts))
 

@@ -98,7 +98,8 @@ def test_acceptance_from_metrics_delta_is_labelled_server_wide(tmp_path, capsys)
     con, js, page, _, _ = _outputs(capsys, tmp_path / "o")
     g = js["groups"][0]["overall"]
     assert g["acceptance_source"] == "metrics_delta" and g["acceptance_rate"] > 0
-    assert f"{g['acceptance_rate']:.2f}*" in con and f"acceptance from the server's /metrics delta: {SERVER_WIDE}" in con
+    assert f"{g['acceptance_rate']:.2f}*" in con
+    assert f"acceptance from the server's /metrics delta: {SERVER_WIDE}" in con
     assert any(w["kind"] == "acceptance_server_wide" and SERVER_WIDE in w["message"] for w in js["warnings"])
     assert f"{g['acceptance_rate']:.3f}*" in page and SERVER_WIDE in page and "(server-wide)" in page
 
@@ -122,7 +123,8 @@ def test_warmup_is_strict_and_never_sends_a_measured_prompt(tmp_path, capsys):
     with mockserver.MockServer(fail_first=1, **app_kw) as url:
         assert _bench(url, data, tmp_path / "f", "--warmup", "2") == 1
         err = capsys.readouterr().err.strip()
-        assert err.startswith("specserve: error: warm-up request to profile default failed: HTTP 500") and "\n" not in err
+        assert err.startswith("specserve: error: warm-up request to profile default failed: HTTP 500")
+        assert "\n" not in err
     server = mockserver.MockServer(**app_kw)
     with server as url:
         assert _bench(url, data, tmp_path / "w", "--warmup", "3", "--profile", "baseline", "ngram_4") == 0
@@ -200,7 +202,8 @@ def test_against_our_own_server_counts_are_exact_and_e2e_is_the_eos_chunk():
                     "stream": True, "logprobs": True, "profile": "ngram_4"}
             with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=30) as r:
                 evs = [json.loads(x[5:]) for x in r.iter_lines() if x.startswith("data:") and "[DONE]" not in x]
-            truth[s.id] = [n for e in evs for c in e["choices"] if (n := len((c["logprobs"] or {}).get("content") or []))]
+            truth[s.id] = [n for e in evs for c in e["choices"]
+                           if (n := len((c["logprobs"] or {}).get("content") or []))]
     assert summary["problems"] == [] and summary["warnings"] == []
     assert all(g["overall"]["itl_token_exact"] and g["profile_check"] == "verified" for g in summary["groups"])
     for r in rows:
