@@ -234,3 +234,16 @@ def test_checks_on_hand_made_rows():
     problems, warnings = checks.evaluate(summary, [row("b", out=20, mt=8), row("b")])
     assert [p["kind"] for p in problems] == ["profile_mismatch"] and "a c=1" in problems[0]["message"]
     assert [w["kind"] for w in warnings] == ["max_tokens_exceeded"] and "(e.g. 20 > 8)" in warnings[0]["message"]
+
+
+def test_compare_warns_when_two_runs_sent_different_requests(tmp_path, capsys):
+    data = _dataset(tmp_path, n=4)
+    with mockserver.MockServer(continuous_usage=True) as url:
+        assert _bench(url, data, tmp_path / "a", "--max-tokens", "64") == 0
+        assert _bench(url, data, tmp_path / "b", "--max-tokens", "8") == 0
+    capsys.readouterr()
+    assert main(["bench", "compare", str(tmp_path / "a" / "summary.json"), str(tmp_path / "b" / "summary.json")]) == 0
+    out = capsys.readouterr().out
+    comp = json.loads(out.strip().splitlines()[-1])[0]
+    assert comp["comparable"] is False and [w["kind"] for w in comp["warnings"]] == ["workload_differs"]
+    assert "WARNING: the two runs differ in max_tokens (64 vs 8)" in out and "(!)" in out
