@@ -190,8 +190,10 @@ class ChunkCounter:
             return [[round(e[0], 3), each] for e in bearing], src
         out, prev = [], 0
         for ms, piece, cum, n_lp in self.events:
-            n = (cum - prev) if src == "usage" else n_lp or 0
-            prev = cum if src == "usage" else prev
+            if src == "usage":
+                n, prev = cum - prev, cum
+            else:
+                n = n_lp or 0
             if piece or n > 0:
                 out.append([round(ms, 3), n])
         if not out:
