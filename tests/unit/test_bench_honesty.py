@@ -186,19 +186,30 @@ def test_against_our_own_server_counts_are_exact_and_e2e_is_the_eos_chunk():
     from specserve.rollout.profiles import profile_set_from_dict
     from specserve.server.api import ServerSettings, create_app
     from specserve.server.launcher import ServerThread
-    from tests.helpers.fake_engine import FakeEngine
+    from tests.helpers.fake_engine import EOS, ToyLM, fake_client, toy_logits
+
+    marker = list(b"<assistant>")
+
+    def eos_after_25(ctx):  # the toy LM's greedy text ("abcdefghi0abc..."), then EOS as the 26th output token
+        ctx = list(ctx)
+        start = max(i for i in range(len(ctx)) if ctx[i:i + len(marker)] == marker) + len(marker)
+        if len(ctx) - start == 25:
+            row = toy_logits(ctx)
+            row[EOS] = 10.0
+            return row
+        return toy_logits(ctx)
 
     profiles = {"profiles": {"baseline": None, "ngram_4": {"method": "ngram", "num_speculative_tokens": 4}}}
-    app = create_app(FakeEngine(step_delay_s=0.03, eos_at=9), profile_set_from_dict(profiles),
+    app = create_app(fake_client(lm=ToyLM(eos_after_25, step_delay_s=0.02)), profile_set_from_dict(profiles),
                      ServerSettings(allow_profile_override=True))
-    samples = [datasets.Sample(f"s{i}", "chat", 20, messages=[{"role": "user", "content": f"q{i}"}]) for i in range(3)]
+    samples = [datasets.Sample(f"s{i}", "chat", 40, messages=[{"role": "user", "content": f"q{i}"}]) for i in range(3)]
     with ServerThread(app) as srv:
         cfg = runner.BenchConfig(base_url=srv.base_url + "/v1", concurrency=[1], profiles=["baseline", "ngram_4"],
                                  warmup=0, progress=False)
         summary, rows = runner.run_bench_sync(cfg, samples=samples, sources=[])
         truth = {}
         for s in samples:  # the same requests, raw, with logprobs: one entry per token of each chunk
-            body = {"model": summary["model"], "messages": s.messages, "max_tokens": 20, "temperature": 0,
+            body = {"model": summary["model"], "messages": s.messages, "max_tokens": 40, "temperature": 0,
                     "stream": True, "logprobs": True, "profile": "ngram_4"}
             with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=30) as r:
                 evs = [json.loads(x[5:]) for x in r.iter_lines() if x.startswith("data:") and "[DONE]" not in x]
@@ -207,13 +218,13 @@ def test_against_our_own_server_counts_are_exact_and_e2e_is_the_eos_chunk():
     assert summary["problems"] == [] and summary["warnings"] == []
     assert all(g["overall"]["itl_token_exact"] and g["profile_check"] == "verified" for g in summary["groups"])
     for r in rows:
-        assert r["token_count_source"] == "usage" and r["output_tokens"] == 10 and r["finish_reason"] == "stop"
-        assert r["response_id"].startswith("chatcmpl-") and r["served_profile"] == r["profile"] and len(r["text"]) == 9
+        assert r["token_count_source"] == "usage" and r["output_tokens"] == 26 and r["finish_reason"] == "stop"
+        assert r["response_id"].startswith("chatcmpl-") and r["served_profile"] == r["profile"] and len(r["text"]) == 25
         assert r["last_chunk_ms"] == r["chunks"][-1][0]
         if r["profile"] == "ngram_4":
             assert [n for _, n in r["chunks"]] == truth[r["sample_id"]] and max(n for _, n in r["chunks"]) > 1
-        else:  # one token a step; the EOS token comes alone, with no text, one 30 ms step after the last text
-            assert [n for _, n in r["chunks"]] == [1] * 10 and r["chunks"][-1][0] - r["chunks"][-2][0] >= 20
+        else:  # one token a step; the EOS token comes alone, with no text, one 20 ms step after the last text
+            assert [n for _, n in r["chunks"]] == [1] * 26 and r["chunks"][-1][0] - r["chunks"][-2][0] >= 10
 
 
 def test_checks_on_hand_made_rows():
