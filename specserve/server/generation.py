@@ -4,7 +4,9 @@ body out, and the outcome recorded exactly once (request log line + Prometheus s
 What it does: reads the `QueueItem`s of the request's engine requests (one per prompt, all on one
 queue; choice `i` of prompt `p` is index `p * best_of + i`). An `Output` is one choice's step delta:
 `stream()` sends it as it comes (chat sends a role chunk first; completions with `echo` send the prompt
-first; a delta with nothing new is skipped; with tools, `ToolCallStream` turns tool-call text into
+first; a delta with nothing new is skipped, except that with
+`continuous_usage_stats` every chunk carries that choice's usage so far and a delta whose tokens add
+no text yet still gets a chunk, so per-chunk token counts are exact; with tools, `ToolCallStream` turns tool-call text into
 `tool_calls` deltas; the chunk with finish_reason and the usage chunk carry the `specserve` block), and
 both modes sum each choice's deltas (`OutputAccumulator`) for usage, the counters and the
 non-streaming body (`collect()`, which with best_of > n keeps the n choices per prompt with the highest
@@ -87,6 +89,7 @@ class Generation:
         self.prompt_ids, self.child_ids, self.queue = prompt_ids, child_ids, queue
         self.t0, self.echo_texts, self.prompt_for_log = t0, echo_texts, prompt_for_log
         self.want_logprobs, self.include_usage = parsed.want_logprobs, parsed.include_usage
+        self.continuous_usage = parsed.continuous_usage  # vLLM's continuous_usage_stats (needs include_usage)
         self.created = int(time.time())
         names = {t["function"]["name"] for t in parsed.tools or []}
         self.choices = [_Choice(i // parsed.best_of,
@@ -265,7 +268,7 @@ class Generation:
                 more_text, more_calls = c.tools.finish()
                 text, calls = text + more_text, calls + more_calls
             c.num_tool_calls += len(calls)
-        lp = None
+        lp, new_lps = None, []
         if self.want_logprobs:
             new_lps = out.new_logprobs or []
             if self.chat:
@@ -273,15 +276,20 @@ class Generation:
             else:
                 lp = fmt.completion_logprobs(new_lps, self.state.token_text, c.text_offset)
                 c.text_offset += sum(len(t) for t in lp["tokens"])
-            if not new_lps and not text and not calls and not out.finished:
-                return None
-        elif not text and not calls and not out.finished:
+        counted = self.continuous_usage and bool(out.new_token_ids)  # tokens whose text is held back still count
+        if not (text or calls or out.finished or counted or new_lps):
             return None
         tool_calls = [t.to_dict(first + j) for j, t in enumerate(calls)] if calls else None
         return fmt.chunk(self.chat, self.rid, self.created, self.state.model_name, index,
                          text=text, logprobs=lp, finish_reason=c.finish_reason if out.finished else None,
-                         include_usage=self.include_usage, spec_block=self.spec_block() if out.finished else None,
-                         tool_calls=tool_calls)
+                         include_usage=self.include_usage, chunk_usage=self._chunk_usage(c, len(c.acc.token_ids)),
+                         spec_block=self.spec_block() if out.finished else None, tool_calls=tool_calls)
+
+    def _chunk_usage(self, c: "_Choice", completion_tokens: int) -> dict | None:
+        """Continuous usage stats: the choice's tokens so far (vLLM's per-choice count), else None."""
+        if not self.continuous_usage:
+            return None
+        return fmt.usage(len(self.prompt_ids[c.prompt_index]), completion_tokens)
 
     async def stream(self):
         """The SSE body. Any exit before the end (disconnect, cancel) aborts the engine requests."""
@@ -290,11 +298,12 @@ class Generation:
             for i, c in enumerate(self.choices):
                 if self.chat:
                     yield fmt.sse(fmt.chunk(True, self.rid, self.created, name, i, role="assistant", text="",
-                                            include_usage=self.include_usage))
+                                            include_usage=self.include_usage, chunk_usage=self._chunk_usage(c, 0)))
                 elif self.echo_texts:
                     c.text_offset = len(self.echo_texts[c.prompt_index])
                     yield fmt.sse(fmt.chunk(False, self.rid, self.created, name, i,
-                                            text=self.echo_texts[c.prompt_index], include_usage=self.include_usage))
+                                            text=self.echo_texts[c.prompt_index], include_usage=self.include_usage,
+                                            chunk_usage=self._chunk_usage(c, 0)))
             while not self.done:
                 item = await self.queue.get()
                 try:

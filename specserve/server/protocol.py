@@ -90,8 +90,12 @@ _RESERVED_TEMPLATE_KWARGS = {
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the request's usage (OpenAI); `continuous_usage_stats`
+    (vLLM's key, needs include_usage): usage on every chunk too."""
+
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class _Request(BaseModel):
@@ -165,7 +169,8 @@ class ParsedRequest:
         want_logprobs: the client asked for logprobs (they may be computed for best_of alone).
         echo: completions: return the prompt before the output.
         tools: tool definitions (chat); parse_tools: parse tool calls from the output.
-        stream, include_usage: streaming options.
+        stream, include_usage: streaming options; continuous_usage: `stream_options.continuous_usage_stats`
+            (vLLM's key: usage on every chunk; only with include_usage).
         sticky_key: the `user` (else safety_identifier, else prompt_cache_key) for sticky routing.
     """
 
@@ -182,6 +187,7 @@ class ParsedRequest:
     parse_tools: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     sticky_key: str | None = None
     unknown: list[tuple[str, str]] = field(default_factory=list)
 
@@ -274,6 +280,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_model_len: int, vocab
         req=req, chat=chat, prompts=prompts, params=params, n=n, best_of=best_of, max_tokens_param=max_tokens_param,
         want_logprobs=_logprobs_count(req) is not None, echo=echo, tools=tools, parse_tools=parse_tools,
         stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(req.stream_options and req.stream_options.include_usage
+                              and req.stream_options.continuous_usage_stats),
         sticky_key=sticky, unknown=unknown)
 
 
