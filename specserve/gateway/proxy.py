@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
+import itertools
+import secrets
 from typing import Any
 
 import aiohttp
@@ -99,6 +100,8 @@ class Proxy:
     def __init__(self, gw: Any):
         self.gw = gw
         self._urls: dict[tuple[str, str], URL] = {}
+        # request ids: a random prefix per process and a counter (unique, without os.urandom per request)
+        self._id_prefix, self._ids = f"gw-{secrets.token_hex(6)}-", itertools.count(1)
 
     # ---- choosing -------------------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class Proxy:
             fallback = gw.fallback_profile()
             if fallback != profile and gw.pool.has_healthy(fallback):
                 profile, reason = fallback, "unavailable"
-        rid = request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
+        rid = request.headers.get("x-request-id") or f"{self._id_prefix}{next(self._ids)}"
         ex = Exchange(rid=rid, path=path, chat=chat, raw=raw, body=body, profile=profile, reason=reason,
                       step=choice.step, sticky=sticky)
         ex.capture = gw.shadow is not None and profile == gw.shadow_baseline() and gw.shadow.wants(body)
