@@ -188,5 +188,5 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, kv.k[i], kv.v[i], meta)
         x = self.model.norm(x[logits_rows])
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, w).float()
+        head = getattr(self, "lm_head", None)  # absent when tied, unless the CPU packed a copy
+        return (head(x) if head is not None else F.linear(x, self.model.embed_tokens.weight)).float()
