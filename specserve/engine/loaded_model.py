@@ -13,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specserve.config import ConfigError
+from specserve.engine.cpu_threads import release_openmp_pool
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import ModelRunner
 from specserve.hub import ModelFiles, resolve_model
@@ -91,3 +92,18 @@ class LoadedModel:
                                           cuda_graphs=not enforce_eager)
         else:
             self.runner = ModelRunner(model, self.kv, device)
+                 cpu_linear: str = "auto"):
+        self.files = resolve_model(model_ref)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        cfg = ModelConfig.from_folder(self.files.path)
+        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
+        self.model = load_model(self.files.path, cfg, self.dtype, self.device, self.max_model_len, cpu_linear)
+        self.config = cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files.path))
+        self.kv = KVCache(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.max_model_len, self.dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        if self.device.type == "cpu":
+            release_openmp_pool()  # loading ran parallel work here; steps may run on another thread

@@ -58,3 +58,31 @@ def test_cli_rejects_a_bad_thread_count_in_one_line(capsys):
     assert cli_main(["generate", "--model", "x", "--prompt", "hi", "--cpu-threads", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cpu_threads must be a positive integer" in err
+
+
+def test_releasing_the_openmp_pool_ends_its_worker_threads():
+    """After loading, the loading thread lets its OpenMP workers go, so that the engine thread's pool is the
+    only one (libgomp stops spinning when it manages more threads than CPUs)."""
+    import os
+    import sys
+    import time
+
+    from specserve.engine.cpu_threads import release_openmp_pool
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("counts threads in /proc")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        big = torch.randn(3_000_000)
+        torch.add(big, 1.0)  # a parallel region: this thread now has a pool of 2 workers
+        with_pool = len(os.listdir("/proc/self/task"))
+        assert release_openmp_pool()
+        deadline = time.monotonic() + 5
+        while len(os.listdir("/proc/self/task")) > with_pool - 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(os.listdir("/proc/self/task")) == with_pool - 2
+        torch.add(big, 1.0)  # computing again makes a new pool
+        assert len(os.listdir("/proc/self/task")) == with_pool
+    finally:
+        torch.set_num_threads(before)
