@@ -69,6 +69,8 @@ class LoadedModel:
         model = load_model(files.path, cfg, dt, dev, max_len, cpu_linear)
         self._assemble(files, cfg, model, AutoTokenizer.from_pretrained(str(files.path)), dt, dev, max_len, num_slots,
                        enforce_eager, batch_invariant)
+        if dev.type == "cpu":
+            release_openmp_pool()  # loading ran parallel work here; steps may run on another thread
 
     @classmethod
     def from_parts(cls, files: ModelFiles, config: ModelConfig, model: torch.nn.Module, tokenizer: Any, *,
@@ -92,18 +94,3 @@ class LoadedModel:
                                           cuda_graphs=not enforce_eager)
         else:
             self.runner = ModelRunner(model, self.kv, device)
-                 cpu_linear: str = "auto"):
-        self.files = resolve_model(model_ref)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        cfg = ModelConfig.from_folder(self.files.path)
-        self.max_model_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        self.model = load_model(self.files.path, cfg, self.dtype, self.device, self.max_model_len, cpu_linear)
-        self.config = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.files.path))
-        self.kv = KVCache(
-            cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, self.max_model_len, self.dtype, self.device
-        )
-        self.runner = ModelRunner(self.model, self.kv, self.device)
-        if self.device.type == "cpu":
-            release_openmp_pool()  # loading ran parallel work here; steps may run on another thread
