@@ -4,7 +4,10 @@ Installs and starts nothing: give it the base URLs of a running specserve server
 server (docs/benchmarks/README.md shows how to start both on one converted model folder). Each repeat
 runs the bench against both servers, alternating which goes first, records the load average and the
 CPU seconds each server's process tree used during each run (found from the URL's port in /proc, or
-given with --*-pid), and whether the greedy texts are identical. Results go into one JSON file that
+given with --*-pid), how many prompt tokens vLLM took from its prefix cache (its /metrics; specserve has
+no prefix cache, and the bench sends the same prompts at c=1, at c=4 and in every repeat), and whether
+the greedy texts are identical. `--section` names a run other than the method's default one (e.g. a vLLM
+server started with --no-enable-prefix-caching). Results go into one JSON file that
 holds one section per `--method` (run it once with the vLLM baseline server and --method baseline,
 once with vLLM's ngram server and --method ngram); its `summary` is recomputed from every section.
 
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -91,6 +95,23 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
     return sum(stats[p][1] for p in tree if p in stats)
 
 
+def vllm_prefix_cache_tokens(url: str) -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens of vLLM's prefix cache so far, from its /metrics (None if absent)."""
+    base = url.rstrip("/").removesuffix("/v1")
+    try:
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    except OSError:
+        return None
+    got = {}
+    for line in text.splitlines():
+        for key in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            if line.startswith(key + "{") or line.startswith(key + " "):
+                got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    if len(got) != 2:
+        return None
+    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+
+
 def run_bench(url: str, profiles: list[str] | None, args, out_dir: Path) -> tuple[dict, list[dict], list[str]]:
     """One `specserve bench` run against `url`; returns (summary, request rows, the command)."""
     cmd = [sys.executable, "-m", "specserve.cli", "bench", "--base-url", url, "--dataset", args.dataset,
@@ -133,14 +154,18 @@ def one_repeat(args, rep: int, scratch: Path) -> dict:
         url, profiles = servers[name]
         cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
         load0, t0 = os.getloadavg(), time.monotonic()
+        pc0 = vllm_prefix_cache_tokens(url) if name == "vllm" else None
         summary, rows, cmd = run_bench(url, profiles, args, scratch / f"{args.method}-{rep}-{name}")
         wall = time.monotonic() - t0
+        pc1 = vllm_prefix_cache_tokens(url) if name == "vllm" else None
         cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
         cpu = {n: (cpu1[n] - cpu0[n]) if cpu0[n] is not None and cpu1[n] is not None else None for n in pids}
         result["servers"][name] = {
             "command": " ".join(cmd[1:]), "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
             "cpu_seconds": cpu, "server_cores": cpu[name] / wall if cpu[name] is not None else None,
             "figures": figures(summary)}
+        if pc0 is not None and pc1 is not None:  # prompt tokens vLLM took from its prefix cache during this run
+            result["servers"][name]["prefix_cache"] = {"queried_tokens": pc1[0] - pc0[0], "hit_tokens": pc1[1] - pc0[1]}
         all_texts[name] = texts(rows)
     # greedy texts: every specserve profile against vLLM, request by request
     v = {(load, sid): t for (_, load, sid), t in all_texts["vllm"].items()}
@@ -156,10 +181,11 @@ def ratio(a, b):
 def summarize(sections: dict) -> dict:
     """The summary over every method section: medians of per-repeat ratios, and the conditions."""
     out: dict = {"direction": DIRECTION}
-    for method, sec in sections.items():
+    for section, sec in sections.items():
+        method = sec.get("method", section)
         vprof = "default"
         for profile in PROFILES[method]:
-            name = f"{method}" if profile == PROFILES[method][0] else f"{profile}_vs_vllm_{method}"
+            name = f"{section}" if profile == PROFILES[method][0] else f"{profile}_vs_vllm_{section}"
             for load in ("c=1", "c=4"):
                 per: dict[str, list] = {}
                 for rep in sec["repeats"]:
@@ -178,7 +204,8 @@ def summarize(sections: dict) -> dict:
                     if vals:
                         out[f"{name}_{c}_{k}"] = statistics.median(vals)
         reps = sec["repeats"]
-        out.setdefault("conditions", {})[method] = {
+        hits = [r["servers"]["vllm"].get("prefix_cache") for r in reps]
+        out.setdefault("conditions", {})[section] = {
             "repeats": len(reps),
             "loadavg_1min": [round(r["servers"][n]["loadavg_before"][0], 2) for r in reps for n in r["order"]],
             "server_cores": {n: [round(r["servers"][n]["server_cores"], 2) for r in reps
@@ -191,6 +218,8 @@ def summarize(sections: dict) -> dict:
                     if r["servers"][o]["cpu_seconds"][n] is not None]
                 for n, o in (("specserve", "vllm"), ("vllm", "specserve"))},
             "greedy_identical": [sum(r["greedy_identical"][0] for r in reps), sum(r["greedy_identical"][1] for r in reps)],
+            "vllm_prefix_cache_hit_share": [round(h["hit_tokens"] / h["queried_tokens"], 3) if h and h["queried_tokens"]
+                                            else None for h in hits],
             "vllm_server": sec.get("vllm_server"), "specserve_server": sec.get("specserve_server")}
     return out
 
@@ -203,6 +232,9 @@ def main() -> None:
     ap.add_argument("--method", choices=sorted(PROFILES), required=True,
                     help="baseline: vLLM without speculation vs specserve's baseline profile; ngram: vLLM's ngram "
                          "server vs specserve's ngram and suffix profiles")
+    ap.add_argument("--section", default=None,
+                    help="name of this run's section and of its summary keys (default: the method), e.g. "
+                         "baseline_no_prefix_cache for a vLLM server started with --no-enable-prefix-caching")
     ap.add_argument("--specserve-pid", type=int, help="server pid (default: found from the URL's port)")
     ap.add_argument("--vllm-pid", type=int, help="server pid (default: found from the URL's port)")
     ap.add_argument("--dataset", default="code,edit,chat")
@@ -229,7 +261,8 @@ def main() -> None:
                 f"{n} {r['servers'][n]['wall_s']:.0f} s ({r['servers'][n]['server_cores'] or 0:.2f} cores, "
                 f"load {r['servers'][n]['loadavg_before'][0]:.2f})" for n in r["order"])
                 + f"; greedy identical {r['greedy_identical'][0]}/{r['greedy_identical'][1]}", file=sys.stderr)
-    sections[args.method] = {
+    sections[args.section or args.method] = {
+        "method": args.method,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "bench": {k: getattr(args, k) for k in ("dataset", "num_prompts", "max_tokens", "concurrency", "warmup", "seed")},
