@@ -80,6 +80,9 @@ def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of the CPU forward, sampler and verifier (default: OMP_NUM_THREADS if set, "
                         "else every CPU this process may run on)")
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
+                   help="CPU linear layers: auto/torch = F.linear (MKL); onednn = prepacked oneDNN weights, "
+                        "faster, but seeded sampling may then differ between a request alone and in a batch")
 
 
 # ---- generate -------------------------------------------------------------------------------------------
@@ -120,7 +123,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     spec_config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
     engine = LLMEngine(EngineConfig(model=args.model, speculative_config=spec_config, max_model_len=args.max_model_len,
                                     dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-                                    batch_invariant=args.batch_invariant, cpu_threads=args.cpu_threads))
+                                    batch_invariant=args.batch_invariant, cpu_threads=args.cpu_threads,
+                                    cpu_linear=args.cpu_linear))
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]

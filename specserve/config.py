@@ -214,8 +214,10 @@ class EngineConfig:
             token-identical to the baseline in bf16 too (slower matmuls; see docs/gpu-notes.md).
         cpu_threads: threads of the CPU forward, sampler and verifier; None = OMP_NUM_THREADS if set,
             else every CPU the process may run on (`specserve.engine.cpu_threads`). CPU device only.
-        cpu_linear: how linear layers run on the CPU: "auto" (oneDNN with prepacked weights where this
-            torch build has it, else F.linear), "onednn" (or an error), "torch" (F.linear / MKL).
+        cpu_linear: how linear layers run on the CPU: "auto" (F.linear / MKL, so that seeded sampling
+            gives the same tokens alone and in any batch), "onednn" (oneDNN with prepacked weights, faster
+            on these CPUs, but a row's result depends on the rows beside it; or an error where this torch
+            build lacks it), "torch" (F.linear / MKL).
     """
 
     model: str

@@ -15,12 +15,9 @@ What it does not do: anything on CUDA, quantized weights, or float16 (oneDNN pac
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
@@ -81,8 +78,11 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
 
     Args:
         model: a loaded `CausalLM` on the CPU (projections already fused).
-        choice: "auto" (oneDNN where available and agreeing with F.linear, else torch), "onednn"
-            (oneDNN or an error), "torch" (leave F.linear / MKL).
+        choice: "auto" (today: torch, see below), "onednn" (oneDNN or an error), "torch" (leave
+            F.linear / MKL). "auto" does not pick oneDNN because its result for a row depends on how many
+            rows share the call: a seeded sampled request then draws different tokens alone and in a
+            batch or a verify block (docs/cpu_performance.md, "Open problem"), which the README
+            guarantees it does not.
 
     Returns:
         the backend in use: "onednn" or "torch".
@@ -93,7 +93,7 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
     """
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu linear backend must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {choice!r}")
-    if choice == "torch":
+    if choice in ("torch", "auto"):
         return "torch"
     dtype = next(model.parameters()).dtype
     linears = [(parent, name) for parent in model.modules() for name, mod in parent.named_children()
@@ -107,10 +107,7 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
             reason = "oneDNN's packed linear disagrees with F.linear on a test input"
         del first
     if reason is not None:
-        if choice == "onednn":
-            raise RuntimeError(reason)
-        logger.warning("%s; CPU linear layers use F.linear (MKL)", reason)
-        return "torch"
+        raise RuntimeError(reason)
     for parent, name in linears:  # one at a time, so that each old weight is freed as its copy is made
         setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
     if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:

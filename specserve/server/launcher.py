@@ -70,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=seed,
         enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
         cpu_threads=args.cpu_threads,
+        cpu_linear=args.cpu_linear,
     ))
     settings = ServerSettings(
         allow_profile_override=args.allow_profile_override, admin_token=token, request_log=args.request_log,
