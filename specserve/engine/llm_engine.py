@@ -133,12 +133,16 @@ class LLMEngine:
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output compiler for this model's vocabulary (built on first use: about 1 s for a
-        150k vocabulary). Thread-safe: the server compiles on its tokenizer thread."""
+        """The structured-output compiler for this model's vocabulary (`grammar_compiler_from`)."""
+        return self.grammar_compiler_from(self.tokenizer)
+
+    def grammar_compiler_from(self, tokenizer: Any) -> GrammarCompiler:
+        """The structured-output compiler, built on first use from `tokenizer` (a copy of the engine's
+        when called from another thread: tokenizers are not shared between threads; about 1 s for a
+        150k vocabulary). The compiler itself is thread-safe: the server compiles on its tokenizer thread."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.config.vocab_size,
-                                                         self.eos_token_ids)
+                self._grammar_compiler = GrammarCompiler(tokenizer, self.target.config.vocab_size, self.eos_token_ids)
             return self._grammar_compiler
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> Proposer:
