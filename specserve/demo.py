@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default="out/demo", help="where the report and summaries go (default out/demo)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json"],
+                   help="passed to the server: how tool calls are read from the model's output (auto: from the "
+                        "chat template; the tool_call segment needs one)")
     p.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -175,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     timings["model_s"] = time.perf_counter() - t
 
     server = ServerProcess(["--model", str(files.path), "--profiles", profiles_path, "--allow-profile-override",
-                            "--dtype", args.dtype, "--device", args.device,
+                            "--dtype", args.dtype, "--device", args.device, "--tool-call-parser", args.tool_call_parser,
                             "--max-num-seqs", str(max(2, max(args.concurrency))), "--log-level", "warning"],
                            out / "server.log")
     prev = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
