@@ -5,8 +5,9 @@ once (from a Hugging Face tokenizer, or from `tokenizer.grammar_vocab()` for a t
 tokens' bytes itself), with the model's EOS ids as the grammar's stop tokens, and compiles
 `StructuredOutputsParams` (JSON schema, any JSON object, regex, choice as a regex of escaped
 alternatives) into an `xgrammar.CompiledGrammar`. Results are cached by the constraint's canonical
-text (LRU, `cache_size` entries); `compile` is thread-safe, so the server compiles on its tokenizer
-thread and the engine thread only finds the result in the cache. A constraint xgrammar cannot compile
+text (LRU, `cache_size` entries); `compile` is thread-safe and holds its lock only for the cache
+lookup, so the server compiles on its tokenizer thread and the engine thread only finds the result in
+the cache, never waiting behind another request's compile. A constraint xgrammar cannot compile
 is a `SamplingParamsError` naming the request field that set it (a 400 at the server, never a 500).
 What it does not do: track a request's position in the grammar (`specserve.grammar.matcher`).
 """
@@ -74,21 +75,22 @@ class GrammarCompiler:
                 carries xgrammar's reason).
         """
         key = spec.key()
-        with self._lock:
+        with self._lock:  # held only for the lookup: a compile never blocks another thread's cache hit
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            try:
-                compiled = self._compile(spec)
-            except (RuntimeError, ValueError, TypeError) as e:
-                what = spec.kinds()[0]
-                raise SamplingParamsError(spec.param, f"could not be compiled into a grammar ({what}): "
-                                          f"{_library_message(e)}") from None
+        try:
+            compiled = self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = spec.kinds()[0]
+            raise SamplingParamsError(spec.param, f"could not be compiled into a grammar ({what}): "
+                                      f"{_library_message(e)}") from None
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._compiler
