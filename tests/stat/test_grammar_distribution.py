@@ -85,7 +85,7 @@ def test_committed_tokens_follow_the_masked_target(make_drafts):
         keep = [t for t in range(4) if exp[t] > 0]
         stat = chisquare([c[t] for t in keep], [n * exp[t] for t in keep])
         assert stat.pvalue > 0.01, (pos, c)
-    assert sum(counts[1]) > 0.5 * N  # the test covers verify rows beyond the first
+    assert sum(counts[1]) > 0.2 * N  # verify rows beyond the first are covered (expected: 1/4 one-hot, 1/2 with q)
 
 
 def test_power_a_ten_percent_error_is_caught():
