@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.config import SpeculativeConfig
 from specserve.outputs import SpecStats, TokenLogprob
@@ -42,6 +43,8 @@ class Request:
             reproducible alone or in any batch. `rng_key` is the derived stream key.
         text: detokenized output, cut at a stop string; emitted_text_len: how much was streamed.
         prefix_offset, read_offset: incremental detokenization offsets into all_token_ids.
+        grammar: its structured-output state (`specserve.grammar.matcher.GrammarState`), advanced by
+            committed tokens only; None without structured output.
     """
 
     request_id: str
@@ -67,6 +70,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    grammar: Any = None  # GrammarState | None (kept untyped: request.py does not import xgrammar)
 
     def __post_init__(self) -> None:
         self.rng_key = seed_key(self.seed)

@@ -8,6 +8,7 @@ when it stops. What it does not do: sampling itself (see `specserve.sample.sampl
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +137,8 @@ class SamplingParams:
         min_tokens: EOS and stop token ids are masked until this many tokens were generated.
         logprobs: None for no logprobs; an int n >= 0 returns the chosen token's logprob plus the top n.
         skip_special_tokens: leave special tokens out of the returned text.
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex or one of
+            a list of strings (`StructuredOutputsParams`; docs/structured-output.md), or None.
 
     Raises:
         SamplingParamsError: from `__post_init__` for any out-of-range value (`param` names it).
@@ -158,6 +161,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -172,6 +176,16 @@ class SamplingParams:
             raise SamplingParamsError("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         self._check_stops()
         self.logit_bias = _clean_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise SamplingParamsError("structured_outputs", "must be a StructuredOutputsParams",
+                                          self.structured_outputs)
+            if self.ignore_eos:
+                raise SamplingParamsError("ignore_eos", "cannot be combined with structured output (the grammar "
+                                          "ends the output with EOS once it is complete)")
+            if self.min_tokens:
+                raise SamplingParamsError("min_tokens", "cannot be combined with structured output (the grammar "
+                                          "decides when the output may end)", self.min_tokens)
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -207,6 +221,69 @@ class SamplingParams:
             return self.clone(n=1)
         seed = (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wraps within the signed 64-bit range
         return self.clone(n=1, seed=seed)
+
+
+MAX_CHOICES = 256
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or regex longer than this is refused before compilation
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on one request's output, shaped like vLLM's `StructuredOutputsParams`; exactly one
+    field is set (docs/structured-output.md).
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid under it.
+        json_object: True: the output is any JSON object (OpenAI's `response_format` json_object).
+        regex: the output matches this regular expression (whole output).
+        choice: the output is exactly one of these strings (1..256 non-empty strings).
+        param: the request field that set it ("response_format", "structured_outputs.json", ...), named
+            by errors about it (a schema the grammar library cannot compile is a 400 naming it).
+
+    Raises:
+        SamplingParamsError: none or more than one field set, or a value of the wrong type.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise SamplingParamsError(self.param, "must set exactly one of json, json_object, regex, choice",
+                                      kinds or None)
+        if self.json is not None:
+            if not isinstance(self.json, (dict, str)) or isinstance(self.json, str) and not self.json.strip():
+                raise SamplingParamsError(self.param, "json must be a JSON schema (an object or its JSON text)",
+                                          self.json)
+            if len(self.key()) > MAX_GRAMMAR_CHARS:
+                raise SamplingParamsError(self.param, f"json schema must be at most {MAX_GRAMMAR_CHARS} characters")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex
+                                       or len(self.regex) > MAX_GRAMMAR_CHARS):
+            raise SamplingParamsError(self.param, f"regex must be a non-empty string of at most {MAX_GRAMMAR_CHARS} "
+                                      "characters", self.regex)
+        if self.choice is not None:
+            ok = (isinstance(self.choice, (list, tuple)) and 0 < len(self.choice) <= MAX_CHOICES
+                  and all(isinstance(c, str) and c for c in self.choice))
+            if not ok:
+                raise SamplingParamsError(self.param, f"choice must be 1 to {MAX_CHOICES} non-empty strings",
+                                          self.choice)
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def kinds(self) -> list[str]:
+        """The fields that are set."""
+        return [k for k, on in (("json", self.json is not None), ("json_object", bool(self.json_object)),
+                                ("regex", self.regex is not None), ("choice", self.choice is not None)) if on]
+
+    def key(self) -> str:
+        """A canonical text of the constraint (the compile cache's key)."""
+        value = (self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+                 if self.json is not None else self.regex if self.regex is not None
+                 else _json.dumps(self.choice) if self.choice is not None else "")
+        return f"{self.kinds()[0]}:{value}"
 
 
 def _clean_logit_bias(logit_bias: dict | None) -> dict[int, float] | None:

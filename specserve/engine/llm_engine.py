@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_plan import ScheduledRequest, StepPlan
 from specserve.engine.stop import commit_tokens, visible_text_len
+from specserve.grammar.compiler import GrammarCompiler
+from specserve.grammar.matcher import GrammarState
 from specserve.inputs import ChatPrompt, Prompt
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.request import Request, RequestStatus
@@ -104,6 +107,8 @@ class LLMEngine:
                                             max_model_len=self.max_model_len, model_name=self.model_name,
                                             size_check=False)
         self._seed_stream = random.Random(config.seed)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
         if config.speculative_config is not None:
             self.prepare_speculative_config(config.speculative_config)
@@ -132,6 +137,20 @@ class LLMEngine:
             RequestError: no chat template, the template refuses the messages, or the result is too long.
         """
         return self.prompt_encoder.encode(ChatPrompt(tuple(messages), tuple(tools) if tools is not None else None))
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's vocabulary (`grammar_compiler_from`)."""
+        return self.grammar_compiler_from(self.tokenizer)
+
+    def grammar_compiler_from(self, tokenizer: Any) -> GrammarCompiler:
+        """The structured-output compiler, built on first use from `tokenizer` (a copy of the engine's
+        when called from another thread: tokenizers are not shared between threads; about 1 s for a
+        150k vocabulary). The compiler itself is thread-safe: the server compiles on its tokenizer thread."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(tokenizer, self.target.config.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> Proposer:
         """Create (once) the proposer for `spec_config`; profiles differing only in k share it.
@@ -210,15 +229,20 @@ class LLMEngine:
 
         Raises:
             RequestError: a duplicate id, or a prompt `encode` refuses.
+            SamplingParamsError: `params.structured_outputs` cannot be compiled into a grammar (the
+                server compiles it before, on its tokenizer thread, so here it is a cache hit).
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = GrammarState(self.grammar_compiler.compile(params.structured_outputs))
         ids = self.encode(prompt)
         spec_config = self.config.speculative_config if speculative_config is USE_ENGINE_DEFAULT else speculative_config
         if spec_config is not None:
             self.prepare_speculative_config(spec_config)
         seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
-        req = Request(request_id, ids, params, spec_config, seed)
+        req = Request(request_id, ids, params, spec_config, seed, grammar=grammar)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req
@@ -322,7 +346,10 @@ class LLMEngine:
     def _commit_request(self, s: ScheduledRequest, tokens: list[int], num_accepted: int,
                         logprobs: list | None) -> RequestOutput:
         r = s.request
+        before = len(r.all_token_ids)
         n = commit_tokens(r, tokens, logprobs, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        if r.grammar is not None:  # the grammar advances by the committed tokens only (its rollback undid the drafts)
+            r.grammar.accept(r.all_token_ids[before:])
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
         if not s.is_prefill:

@@ -6,8 +6,9 @@ row index and draft each row has, which rows are greedy or sampled, each sampled
 top-k / top-p / min-p, its uniforms (computed here, on the host: they depend only on the request's
 seed and the output position, `specserve.sample.uniforms`), the draft model's q rows, and the
 sparse edits of the logits processors, each verify row with its own history (output so far + the
-drafts before it): penalty counts, logit_bias entries, min_tokens masks. The integer metadata travels
-to the device in one copy.
+drafts before it): penalty counts, logit_bias entries, min_tokens masks, and the grammar token
+bitmask of each row of a request with structured output (row j: the grammar's state after drafts[:j];
+`specserve.grammar.matcher`). The integer metadata travels to the device in one copy.
 What it does not do: any math on logits (`specserve.sample.processors`, `specserve.sample.verifier`).
 """
 
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from specserve.grammar.matcher import allocate_bitmask
 from specserve.sample.sampler import needs_processing
 from specserve.sample.uniforms import Purpose, uniform
 
@@ -67,6 +69,9 @@ class SamplingBatch:
             index, its row 0 as an index into the sampled rows, its first row in q, its n_i.
         penalties: `Penalties` or None; bias: (rows, token ids, values) or None; min_tokens: (rows,
             token ids) masked to -inf, or None.
+        grammar: (row indices [Rm] as a host list, int32 [R, ceil(V / 32)] token bitmask on the device,
+            row r for logits row r)
+            of the rows of requests with structured output, or None.
         logprob_rows: int64 [Rl] rows of requests that asked for logprobs (None if none), top_n the
             largest number of alternatives asked; logprob_offset: request index -> its first position
             in logprob_rows.
@@ -102,6 +107,7 @@ class SamplingBatch:
     penalties: Penalties | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    grammar: tuple[list[int], torch.Tensor] | None = None
     logprob_rows: torch.Tensor | None = None
     top_n: int = 0
     logprob_offset: dict[int, int] | None = None
@@ -157,6 +163,9 @@ class SamplingBatch:
         proc = [s for s in sampled if needs_processing(s.request.params, s.request.num_output_tokens)]
         if proc:
             _processor_edits(out, proc, V, list(eos_token_ids), device)
+        constrained = [s for s in sampled if s.request.grammar is not None]
+        if constrained:
+            out.grammar = _grammar_masks(constrained, len(row_req), V, device)
         return out
 
 
@@ -207,6 +216,16 @@ def _sampled_rows(ints: _Pack, s_reqs, V: int) -> tuple[list[float], list[float]
                          ("q_first", q_first), ("q_offset", q_offset), ("q_num", q_num)):
         ints.add(name, values)
     return temp + top_p + min_p, u_sample + u_accept
+
+
+def _grammar_masks(constrained: Sequence["ScheduledRequest"], R: int, V: int, device) -> tuple[list[int], torch.Tensor]:
+    """(rows, bitmask [R, W]): the token mask of each row of a request with a grammar, at the row's own
+    index (drafts tentatively accepted, then rolled back: `GrammarState.fill_rows`); other rows all ones."""
+    rows = [s.row_offset + j for s in constrained for j in range(s.num_rows)]
+    bitmask = allocate_bitmask(R, V)
+    for s in constrained:
+        s.request.grammar.fill_rows(s.draft_token_ids, bitmask, s.row_offset)
+    return rows, bitmask.to(device, non_blocking=True)
 
 
 def _processor_edits(out: SamplingBatch, proc: Sequence["ScheduledRequest"], V: int, eos: list[int], device) -> None:

@@ -2,7 +2,7 @@
 
 What it does: the batched form of `specserve.sample.sampler.process_logits` (repetition penalty
 (CTRL, Keskar et al. 2019; prompt + output), frequency/presence penalties (OpenAI; output), logit_bias,
-min_tokens) and of `logits_to_probs` (temperature, top-k, top-p, min-p, softmax), over a
+min_tokens), the grammar token masks of structured output (`apply_grammar`), and of `logits_to_probs` (temperature, top-k, top-p, min-p, softmax), over a
 `SamplingBatch`. Every operation is the reference's, elementwise or per row, applied only to the rows
 that use it, so each row's result is bit for bit the reference's (tests/unit/test_verifier.py).
 What it does not do: verification or sampling (`specserve.sample.verifier`).
@@ -11,6 +11,7 @@ What it does not do: verification or sampling (`specserve.sample.verifier`).
 from __future__ import annotations
 
 import torch
+import xgrammar as xgr
 
 from specserve.sample.batch import SamplingBatch
 
@@ -41,6 +42,27 @@ def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     if batch.min_tokens is not None:
         rows, toks = batch.min_tokens
         x[rows, toks] = float("-inf")
+    return x
+
+
+def apply_grammar(x: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Set the logits of tokens the grammar forbids to -inf on the rows of requests with structured
+    output (after the processors, before temperature / top-k / top-p / softmax, so every later step sees
+    the masked target distribution; docs/structured-output.md).
+
+    Args:
+        x: float32 [R, V] processed logits (`apply_processors`); logits: the raw logits (never modified:
+            logprobs are the raw model's).
+
+    Returns:
+        float32 [R, V]: x, masked in place, or a masked copy when x is the raw logits.
+    """
+    if batch.grammar is None:
+        return x
+    rows, bitmask = batch.grammar
+    if x is logits:
+        x = logits.clone()
+    xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=batch.vocab_size, indices=rows)
     return x
 
 

@@ -1,7 +1,8 @@
 """Batched verification: every request of a step in a few tensor ops, one device-to-host copy.
 
 What it does, for B requests with R rows (request b: n_b drafts, rows j = 0..n_b; docs/step-plan.md):
-1. logits processors for all rows (`specserve.sample.processors`);
+1. logits processors for all rows, then the grammar token masks of requests with structured output
+   (`specserve.sample.processors`; a draft the grammar forbids has p = 0 and is rejected);
 2. a candidate token per row: greedy rows take the argmax; sampled rows without q (one-hot drafts or
    none) draw from p by inverse CDF with the row's uniform u(seed, output position, SAMPLE)
    (`specserve.sample.uniforms`; computed on the host with the batch, they are input data);
@@ -30,7 +31,7 @@ import torch
 from specserve.outputs import TokenLogprob
 from specserve.sample.batch import SamplingBatch
 from specserve.sample.inverse_cdf import inverse_cdf
-from specserve.sample.processors import apply_processors, sampling_probs
+from specserve.sample.processors import apply_grammar, apply_processors, sampling_probs
 
 
 @dataclass
@@ -71,7 +72,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch) -> VerifyOutput:
     Returns:
         VerifyOutput on the logits' device.
     """
-    x = apply_processors(logits, batch)
+    x = apply_grammar(apply_processors(logits, batch), logits, batch)
     failed = None
     probs = None
     if batch.sampled_rows is None:

@@ -40,7 +40,7 @@ from typing import Any
 from specserve.config import SpeculativeConfig
 from specserve.engine.llm_engine import LLMEngine
 from specserve.inputs import Prompt, TokenPrompt
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 from specserve.server.engine_client import Aborted, EngineDeadError, EngineRequest, Failed, Output, QueueItem
 from specserve.tokenization import PromptEncoder
 
@@ -168,6 +168,22 @@ class AsyncEngine:
             if "shutdown" in str(e):
                 raise EngineDeadError("server is shutting down") from None
             raise
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile `spec` on the tokenizer thread into the engine's grammar cache, so the engine thread
+        never compiles (`LLMEngine.grammar_compiler` is thread-safe).
+
+        Raises:
+            SamplingParamsError: xgrammar cannot compile it (a 400 naming the request field).
+            EngineDeadError: the server is stopping.
+        """
+        pool = self._tokenizer_pool
+        if pool is None:
+            raise EngineDeadError("engine is not running")
+        await asyncio.get_running_loop().run_in_executor(pool, self._compile_grammar, spec)
+
+    def _compile_grammar(self, spec: StructuredOutputsParams) -> None:  # tokenizer thread
+        self.engine.grammar_compiler_from(self._encoder.tokenizer).compile(spec)
 
     @property
     def alive(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 from specserve.config import SpeculativeConfig
 from specserve.inputs import Prompt
 from specserve.outputs import RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class EngineDeadError(RuntimeError):
@@ -108,6 +108,13 @@ class EngineClient(Protocol):
 
         Raises:
             InvalidRequestError: empty, over the per-request limit, bad token ids, a chat the template refuses.
+        """
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output constraint off the engine thread (cached, so the engine finds it).
+
+        Raises:
+            SamplingParamsError: the grammar library cannot compile it (`param` names the request field).
         """
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> None:

@@ -101,13 +101,25 @@ def catalogue(admin: bool = True) -> list[BadRequest]:
             out.append(BadRequest(f"{ep}:stream_options.include_usage:type", "POST", path,
                                   _j(_with(base, stream=True, stream_options={"include_usage": v})),
                                   "stream_options.include_usage"))
-        for v in [{"type": "nope"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}},
-                  "json", {}]:
-            param = "response_format" if isinstance(v, dict) and v.get("type") in ("json_object", "json_schema") \
-                or not isinstance(v, dict) else "response_format.type"
+        for v, param in [({"type": "nope"}, "response_format.type"), ("json", "response_format"),
+                         ({}, "response_format.type"), ({"type": "json_schema"}, "response_format.json_schema"),
+                         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+                          "response_format.json_schema.schema"),
+                         ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}},
+                          "response_format.json_schema.schema")]:
             out.append(BadRequest(f"{ep}:response_format", "POST", path, _j(_with(base, response_format=v)), param))
-        for name, v in [("prompt_logprobs", 1), ("structured_outputs", {"regex": "a+"}), ("guided_json", {}),
-                        ("guided_choice", ["a"]), ("use_beam_search", True), ("include_stop_str_in_output", True),
+        for v, param in [({"regex": "a("}, "structured_outputs.regex"), ({"grammar": "root ::= x"},
+                          "structured_outputs.grammar"), ({}, "structured_outputs"), ("a+", "structured_outputs"),
+                         ({"regex": "a+", "choice": ["a"]}, "structured_outputs"),
+                         ({"json": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}, "structured_outputs.json"),
+                         ({"choice": []}, "structured_outputs.choice")]:
+            out.append(BadRequest(f"{ep}:structured_outputs", "POST", path, _j(_with(base, structured_outputs=v)), param))
+        out.append(BadRequest(f"{ep}:structured_outputs:with_response_format", "POST", path,
+                              _j(_with(base, response_format={"type": "json_object"}, structured_outputs={"regex": "a"})),
+                              "structured_outputs"))
+        out.append(BadRequest(f"{ep}:guided_regex:bad", "POST", path, _j(_with(base, guided_regex="[a")), "guided_regex"))
+        for name, v in [("prompt_logprobs", 1), ("guided_grammar", "root ::= x"), ("guided_whitespace_pattern", " "),
+                        ("use_beam_search", True), ("include_stop_str_in_output", True),
                         ("truncate_prompt_tokens", 5), ("priority", 1), ("allowed_token_ids", [1])]:
             out.append(BadRequest(f"{ep}:refused:{name}", "POST", path, _j(_with(base, **{name: v})), name))
         for raw, kind in [(b"[" * 1000 + b"]" * 1000, "deep"), (b'{"a":' * 40 + b"1" + b"}" * 40, "deep_object"),
@@ -178,9 +190,8 @@ def _chat_only() -> list[BadRequest]:
          ("tools:duplicate", _with(b, tools=[tool, tool]), "tools"),
          ("tool_choice:without_tools", _with(b, tool_choice="auto"), "tool_choice"),
          ("tool_choice:value", _with(b, tools=[tool], tool_choice="always"), "tool_choice"),
-         ("tool_choice:required", _with(b, tools=[tool], tool_choice="required"), "tool_choice"),
-         ("tool_choice:named", _with(b, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
-          "tool_choice"),
+         ("tool_choice:required+response_format", _with(b, tools=[tool], tool_choice="required",
+                                                         response_format={"type": "json_object"}), "tool_choice"),
          ("tool_choice:unknown_name", _with(b, tools=[tool], tool_choice={"type": "function", "function": {"name": "g"}}),
           "tool_choice"),
          ("parallel_tool_calls:false", _with(b, tools=[tool], parallel_tool_calls=False), "parallel_tool_calls"),

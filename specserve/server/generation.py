@@ -7,7 +7,8 @@ queue; choice `i` of prompt `p` is index `p * best_of + i`). An `Output` is one 
 first; a delta with nothing new is skipped, except that with
 `continuous_usage_stats` every chunk carries that choice's usage so far and a delta whose tokens add
 no text yet still gets a chunk, so per-chunk token counts are exact; with tools, `ToolCallStream` turns tool-call text into
-`tool_calls` deltas; the chunk with finish_reason and the usage chunk carry the `specserve` block), and
+`tool_calls` deltas, and with tool_choice "required" / named `ForcedToolStream` holds the constrained
+JSON and sends its calls when it ends ("tool_calls" / OpenAI's "stop" for a named function); the chunk with finish_reason and the usage chunk carry the `specserve` block), and
 both modes sum each choice's deltas (`OutputAccumulator`) for usage, the counters and the
 non-streaming body (`collect()`, which with best_of > n keeps the n choices per prompt with the highest
 mean token logprob). `Aborted` ends a choice; `Failed` (the engine died) ends the request with 503, a
@@ -34,6 +35,7 @@ from specserve.server import formatting as fmt
 from specserve.server.engine_client import Aborted, Failed, QueueItem
 from specserve.server.errors import APIError, error_body, internal_error
 from specserve.server.protocol import ParsedRequest
+from specserve.server.structured import ForcedToolStream, parse_forced
 from specserve.server.tool_parsers import ToolCallStream, parse_tool_calls
 
 if TYPE_CHECKING:
@@ -53,8 +55,9 @@ class _Choice:
     acc: OutputAccumulator = field(default_factory=OutputAccumulator)
     aborted: bool = False
     text_offset: int = 0  # completions logprobs: where the next streamed token starts in the text
-    tools: ToolCallStream | None = None
+    tools: ToolCallStream | ForcedToolStream | None = None
     num_tool_calls: int = 0
+    named_call: bool = False  # tool_choice named a function: OpenAI ends such a choice with "stop"
 
     @property
     def done(self) -> bool:
@@ -64,7 +67,7 @@ class _Choice:
     def finish_reason(self) -> str | None:
         if self.aborted:
             return "abort"
-        if self.num_tool_calls and self.acc.finish_reason == "stop":
+        if self.num_tool_calls and self.acc.finish_reason == "stop" and not self.named_call:
             return "tool_calls"
         return self.acc.finish_reason
 
@@ -92,14 +95,28 @@ class Generation:
         self.continuous_usage = parsed.continuous_usage  # vLLM's continuous_usage_stats (needs include_usage)
         self.created = int(time.time())
         names = {t["function"]["name"] for t in parsed.tools or []}
-        self.choices = [_Choice(i // parsed.best_of,
-                                tools=ToolCallStream(tool_parser, names) if tool_parser and parsed.parse_tools else None)
+        self.forced_tool = parsed.forced_tool
+        self.choices = [_Choice(i // parsed.best_of, tools=self._tool_stream(tool_parser, names),
+                                named_call=self.forced_tool not in (None, "required"))
                         for i in range(len(child_ids))]
         self.tool_parser = tool_parser if parsed.parse_tools else None
         self.tool_names = names
         self.first_token_t: float | None = None
         self.last_token_t: float | None = None
         self.recorded = False
+
+    def _tool_stream(self, tool_parser: str | None, names: set[str]) -> ToolCallStream | ForcedToolStream | None:
+        if self.forced_tool is not None:
+            return ForcedToolStream(self.forced_tool)
+        return ToolCallStream(tool_parser, names) if tool_parser and self.parsed.parse_tools else None
+
+    def _parse_calls(self, text: str) -> tuple[str | None, list]:
+        """(content, tool calls) of a finished choice's text."""
+        if self.forced_tool is not None:
+            return parse_forced(self.forced_tool, text)
+        if self.tool_parser:
+            return parse_tool_calls(self.tool_parser, text, self.tool_names)
+        return text, []
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
@@ -230,10 +247,8 @@ class Generation:
             lps = c.acc.logprobs or []
             if self.chat:
                 lp = fmt.chat_logprobs(lps, tok) if self.want_logprobs else None
-                content, calls = c.acc.text, []
-                if self.tool_parser:
-                    content, calls = parse_tool_calls(self.tool_parser, c.acc.text, self.tool_names)
-                    c.num_tool_calls = len(calls)
+                content, calls = self._parse_calls(c.acc.text)
+                c.num_tool_calls = len(calls)
                 choices.append(fmt.chat_choice(out_index, content, lp, c.finish_reason, c.acc.stop_reason,
                                                [t.to_dict() for t in calls]))
             else:

@@ -9,9 +9,10 @@ tools). Field policy, per endpoint (README "Serving" lists it):
   only at their default or null, and any other value is a 400 naming the field
   (`code: "unsupported_parameter"`), never a silent no-op (`REFUSED`).
 - Fields nobody defines are logged once per name and ignored (vLLM's rule).
-- Structured output (`response_format` json_object / json_schema, vLLM's `structured_outputs` /
-  `guided_*`) and forced tool calls (`tool_choice` "required" or a named function) need
-  grammar-constrained decoding, which the engine does not have yet: a clear 400.
+- Structured output (`response_format` json_object / json_schema, vLLM's `structured_outputs` and
+  `guided_json` / `guided_regex` / `guided_choice`) and forced tool calls (`tool_choice` "required" or a
+  named function) become the choice's `SamplingParams.structured_outputs` (`structured.py`); the
+  server compiles it before submitting (a schema that does not compile is a 400 naming its field).
 Every refusal is an `InvalidRequestError` whose `param` is the body field at fault.
 What it does not do: build responses (`formatting.py`), tokenize (`specserve.tokenization`), check
 `max_tokens` against the tokenized prompt (`serving.py`), or choose a profile (`specserve.rollout`).
@@ -25,9 +26,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, TokenPrompt
-from specserve.sampling_params import SamplingParams, SamplingParamsError
+from specserve.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from specserve.server.messages import NamedToolChoice, ResponseFormat, Tool, parse_messages, tool_dicts
 from specserve.server.parsing import UnknownFieldNotes, shown, unknown_fields, validate_model
+from specserve.server.structured import output_constraint
 
 MAX_N = 16  # the server's fan-out limit per request: n, best_of, and prompts x best_of
 MAX_PROMPTS = 16
@@ -40,14 +42,13 @@ def _default(value: Any) -> Any:
     return lambda v: v is None or v == value
 
 
-_GRAMMAR = "needs grammar-constrained decoding, which this server does not support yet"
+_GRAMMAR = "grammars (EBNF / Lark) are not supported; use structured_outputs json, regex or choice"
 # name -> (accepted when, why any other value is refused); checked on the raw body before validation.
 REFUSED_COMMON: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (_default(None), "prompt logprobs are not computed by this engine"),
-    "structured_outputs": (_default(None), _GRAMMAR),
-    "guided_json": (_default(None), _GRAMMAR), "guided_regex": (_default(None), _GRAMMAR),
-    "guided_choice": (_default(None), _GRAMMAR), "guided_grammar": (_default(None), _GRAMMAR),
-    "guided_decoding_backend": (_default(None), _GRAMMAR), "guided_whitespace_pattern": (_default(None), _GRAMMAR),
+    "guided_grammar": (_default(None), _GRAMMAR),
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "xgrammar"), "structured output always uses xgrammar"),
+    "guided_whitespace_pattern": (_default(None), "a whitespace pattern is not supported"),
     "include_stop_str_in_output": (_default(False), "stop strings are always cut from the output"),
     "use_beam_search": (_default(False), "beam search is not supported"),
     "length_penalty": (_default(1.0), "beam search is not supported"),
@@ -128,6 +129,10 @@ class _Request(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     profile: str | None = Field(default=None, max_length=64, description="speculation profile (--allow-profile-override)")
 
 
@@ -168,7 +173,9 @@ class ParsedRequest:
         max_tokens_param: the body field that set max_tokens ("max_tokens" or "max_completion_tokens").
         want_logprobs: the client asked for logprobs (they may be computed for best_of alone).
         echo: completions: return the prompt before the output.
-        tools: tool definitions (chat); parse_tools: parse tool calls from the output.
+        tools: tool definitions (chat); parse_tools: parse tool calls from the output (tool_choice auto);
+        forced_tool: "required" or the named function when tool_choice forces a call (the output is
+            grammar-constrained JSON, parsed by `structured.parse_forced`), else None.
         stream, include_usage: streaming options; continuous_usage: `stream_options.continuous_usage_stats`
             (vLLM's key: usage on every chunk; only with include_usage).
         sticky_key: the `user` (else safety_identifier, else prompt_cache_key) for sticky routing.
@@ -185,6 +192,7 @@ class ParsedRequest:
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = False
+    forced_tool: str | None = None
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -230,9 +238,6 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_model_len: int, vocab
     if notes is not None and unknown:
         for where in sorted({w for w, _ in unknown}):
             notes.note(where, [n for w, n in unknown if w == where])
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequestError(f"response_format {req.response_format.type!r} {_GRAMMAR}",
-                                  param="response_format", code="unsupported_value")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     n = 1 if req.n is None else req.n
@@ -273,12 +278,14 @@ def parse_request(body: dict[str, Any], *, chat: bool, max_model_len: int, vocab
         if req.add_special_tokens is False:
             raise InvalidRequestError("add_special_tokens false is not supported (the tokenizer adds BOS as the "
                                       "model expects)", param="add_special_tokens", code="unsupported_parameter")
+    constraint, forced = output_constraint(req, chat)
     params, max_tokens_param = sampling_params(req, max_model_len=max_model_len, vocab_size=vocab_size,
-                                               internal_logprobs=best_of > n)
+                                               internal_logprobs=best_of > n, structured_outputs=constraint)
     sticky = req.user or req.safety_identifier or req.prompt_cache_key or None
     return ParsedRequest(
         req=req, chat=chat, prompts=prompts, params=params, n=n, best_of=best_of, max_tokens_param=max_tokens_param,
-        want_logprobs=_logprobs_count(req) is not None, echo=echo, tools=tools, parse_tools=parse_tools,
+        want_logprobs=_logprobs_count(req) is not None, echo=echo, tools=tools, parse_tools=parse_tools and not forced,
+        forced_tool=forced,
         stream=bool(req.stream), include_usage=bool(req.stream_options and req.stream_options.include_usage),
         continuous_usage=bool(req.stream_options and req.stream_options.include_usage
                               and req.stream_options.continuous_usage_stats),
@@ -299,14 +306,10 @@ def _tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, boo
         if choice.function.name not in names:
             raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
                                       param="tool_choice")
-        raise InvalidRequestError(f"tool_choice naming a function {_GRAMMAR}", param="tool_choice",
-                                  code="unsupported_value")
-    if choice == "required":
-        raise InvalidRequestError(f"tool_choice \"required\" {_GRAMMAR}", param="tool_choice",
-                                  code="unsupported_value")
-    if req.parallel_tool_calls is False:
-        raise InvalidRequestError(f"parallel_tool_calls false {_GRAMMAR}", param="parallel_tool_calls",
-                                  code="unsupported_value")
+    elif req.parallel_tool_calls is False and choice != "required":
+        raise InvalidRequestError('parallel_tool_calls false is enforced only with tool_choice "required" or a named '
+                                  'function (the grammar allows one call); with "auto" the model may emit several',
+                                  param="parallel_tool_calls", code="unsupported_value")
     return tool_dicts(req.tools), choice != "none"
 
 
@@ -352,7 +355,8 @@ def _logprobs_count(req: CompletionRequest | ChatCompletionRequest) -> int | Non
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_model_len: int | None = None,
-                    vocab_size: int | None = None, internal_logprobs: bool = False) -> tuple[SamplingParams, str]:
+                    vocab_size: int | None = None, internal_logprobs: bool = False,
+                    structured_outputs: StructuredOutputsParams | None = None) -> tuple[SamplingParams, str]:
     """Validated SamplingParams for ONE choice, and the body field that set max_tokens.
 
     Defaults follow OpenAI: completions max_tokens 16, chat max_tokens unlimited (up to the context);
@@ -399,6 +403,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_model
             min_tokens=req.min_tokens or 0,
             logprobs=logprobs,
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except SamplingParamsError as e:
         if e.param in aliases:

@@ -7,7 +7,9 @@ name (404); choose the speculation profile (explicit `profile` field or `x-specs
 only with --allow-profile-override, else 403; unknown name 400; otherwise the rollout weights, sticky
 on the `user` field, else the `x-session-id` header); check the queue (503 + Retry-After when running +
 waiting would pass max_num_seqs + --max-queue); tokenize each prompt off the engine thread
-(`EngineClient.encode`: size check, template, per-request token limit); check prompt + max_tokens
+(`EngineClient.encode`: size check, template, per-request token limit) and compile a structured-output
+grammar there too (`EngineClient.compile_grammar`; a schema that does not compile is a 400 naming its
+field); check prompt + max_tokens
 against the context (400 naming `max_tokens` or `max_completion_tokens`); then submit the token ids
 to the `EngineClient` as best_of engine requests per prompt (`{id}-{p}-{i}`; with a seed s, choice i
 uses seed s + i). Errors map to a status by their type alone: an `InvalidRequestError` is 400 with
@@ -182,6 +184,8 @@ async def _start(state: ServerState, rid: str, parsed: protocol.ParsedRequest, r
                  t0: float) -> Generation:
     """Tokenize every prompt, check the output budget, submit every choice; the running Generation."""
     try:
+        if parsed.params.structured_outputs is not None:  # compiled off the engine thread (a 400 if it cannot be)
+            await state.engine.compile_grammar(parsed.params.structured_outputs)
         prompt_ids = [await state.engine.encode(p) for p in parsed.prompts]
     except Exception as e:  # noqa: BLE001 - mapped to a status by its type
         raise _error_from_engine(rid, e) from None

@@ -13,8 +13,8 @@ object; anything else stays content, so a model's ordinary JSON answer is never 
 `ToolCallStream` gives the same result chunk by chunk: content before a call streams at once (holding
 back only what could be the start of a `<tool_call>` tag), an output that starts with `{` or
 `<|python_tag|>` is held until it ends, and each call goes out as one delta when its block closes.
-What it does not do: constrain the model to emit a call (tool_choice "required" / named needs grammar
-decoding; refused in `protocol.py`).
+What it does not do: constrain the model to emit a call (tool_choice "required" / named are grammar
+constrained and parsed by `structured.py`).
 """
 
 from __future__ import annotations

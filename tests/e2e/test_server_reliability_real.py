@@ -1,5 +1,5 @@
-"""Real models behind the real server: a tool call parsed from qwen2.5-coder-0.5b-instruct's own output
-(issue 11), and SIGTERM during 8 long smollm2 streams (issue 12): every client sees a clean end, every
+"""Real models behind the real server: a tool call parsed from qwen2.5-coder-0.5b-instruct's own output,
+json_schema and a named tool_choice enforced by the grammar (issue 11), and SIGTERM during 8 long smollm2 streams (issue 12): every client sees a clean end, every
 request is in the request log, the process exits with status 0; unseeded requests differ across
 restarts (a seed is drawn at start-up)."""
 
@@ -57,6 +57,26 @@ def test_qwen_tool_call_is_parsed(qwen_server):
                   {"role": "tool", "tool_call_id": call.id, "content": "18 degrees C and sunny"}]
     r = client.chat.completions.create(model=QWEN, messages=back, tools=TOOLS, temperature=0, max_tokens=40)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_qwen_json_schema_integer_and_named_tool_choice(qwen_server):
+    """Issue 11's structured-output failure: `a: integer` came back as "Hello"; with the grammar it is an
+    integer, and a named tool_choice is a parsed call (finish_reason "stop", as OpenAI sends it)."""
+    client, _ = qwen_server
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Say hello in JSON."}]
+    r = client.chat.completions.create(model=QWEN, messages=ask, temperature=0, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "hello", "schema": schema, "strict": True}})
+    ch = r.choices[0]
+    value = json.loads(ch.message.content)
+    assert ch.finish_reason == "stop" and set(value) == {"a", "b"} and type(value["a"]) is int, ch.message.content
+    r = client.chat.completions.create(model=QWEN, messages=ASK, tools=TOOLS, temperature=0, max_tokens=40,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and ch.message.content is None
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 def _stream(base, body, out, started):

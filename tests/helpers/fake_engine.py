@@ -52,6 +52,10 @@ class ByteTokenizer:
         out = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return out if skip_special_tokens else out + "<eos>" * sum(1 for i in ids if i == EOS)
 
+    def grammar_vocab(self) -> list[bytes]:
+        """Each id's bytes for the grammar library (ids 0..255 one byte each; EOS special)."""
+        return [bytes([i]) for i in range(256)] + [b""]
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, tokenize: bool = False, **_: Any) -> str:
         head = f"<tools>{json.dumps(tools)}\n" if tools else ""
