@@ -19,9 +19,11 @@ import torch
 from jinja2 import TemplateError
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.draft_length import AdaptiveDrafts
 from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.engine.step_cost import StepCostModel, load_or_measure
 from specserve.engine.stop import commit_tokens, visible_text_len
 from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, as_prompt
 from specserve.outputs import RequestOutput, SpecStats
@@ -99,6 +101,7 @@ class LLMEngine:
         )
         self._seed_stream = random.Random(config.seed)
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
+        self.adaptive: AdaptiveDrafts | None = None  # built with the step cost for the first adaptive config
         if config.speculative_config is not None:
             self.prepare_speculative_config(config.speculative_config)
 
@@ -162,7 +165,29 @@ class LLMEngine:
         key = proposer_key(spec_config)
         if key not in self._proposers:
             self._proposers[key] = make_proposer(spec_config, self.proposer_context)
+        if spec_config.adaptive:
+            self.step_cost()
+            if hasattr(self._proposers[key], "draft_step_cost"):
+                self._proposers[key].draft_step_cost()  # measured now, not in the first step that needs it
         return self._proposers[key]
+
+    def step_cost(self, refresh: bool = False) -> StepCostModel:
+        """The target's measured step cost on this device (`specserve.engine.step_cost`): cached per model,
+        dtype and device under $SPECSERVE_HOME/step_cost, measured (a few seconds to a minute on a CPU)
+        when absent or when `refresh` (or `EngineConfig.refresh_step_cost`) asks. Uses free KV slots.
+
+        Raises:
+            RuntimeError: it must be measured and every KV slot is in use.
+        """
+        if self.adaptive is None or refresh:
+            cm = load_or_measure(self.target, max_tokens=min(32, self.config.max_num_batched_tokens),
+                                 max_seqs=min(self.config.max_num_seqs, 16),
+                                 refresh=refresh or self.config.refresh_step_cost)
+            if self.adaptive is None:
+                self.adaptive = AdaptiveDrafts(cm)
+            else:
+                self.adaptive.step_cost = cm
+        return self.adaptive.step_cost
 
     def set_proposer(self, spec_config: SpeculativeConfig, proposer: Proposer) -> Proposer | None:
         """Use `proposer` for every request whose config shares `spec_config`'s proposer key (tests and
@@ -241,6 +266,8 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req
+        if spec_config is not None and spec_config.adaptive:
+            self.adaptive.add_request(req)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -272,10 +299,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that advanced or finished."""
+        t_step = time.perf_counter()
         outputs = [self._make_output(r) for r in self._aborted]
         self._aborted.clear()
         decodes = self.scheduler.schedule_decodes()
-        self._propose([s for s in decodes if s.num_speculative_tokens > 0])
+        adaptive = [s for s in decodes if s.request.spec_config is not None and s.request.spec_config.adaptive]
+        self._propose([s for s in decodes if s.num_speculative_tokens > 0
+                       and not (s.request.spec_config is not None and s.request.spec_config.adaptive)])
+        if adaptive:
+            rest = [s for s in decodes if not (s.request.spec_config is not None and s.request.spec_config.adaptive)]
+            prefill_tokens, prefill_seqs = self.scheduler.estimate_prefill(
+                self.scheduler.budget - sum(s.num_new_tokens for s in rest) - len(adaptive))
+            self.adaptive.propose(adaptive, self.prepare_speculative_config,
+                                  other_tokens=sum(s.num_new_tokens for s in rest) + prefill_tokens,
+                                  other_seqs=len(rest) + prefill_seqs)
         used = sum(s.num_new_tokens for s in decodes)
         scheduled = decodes + self.scheduler.schedule_prefills(self.scheduler.budget - used)
         if not scheduled:
@@ -285,7 +322,9 @@ class LLMEngine:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         try:
+            t_fwd = time.perf_counter()
             logits = self.target.runner.forward([self._seq_input(s) for s in scheduled])
+            t_fwd = time.perf_counter() - t_fwd
         except Exception:
             for s in scheduled:  # leave every request as it was before the step
                 r = s.request
@@ -293,6 +332,8 @@ class LLMEngine:
                 r.drafts, r.draft_probs = [], None
             raise
         outputs += self._verify_and_commit(scheduled, logits)
+        if self.adaptive is not None:
+            self.adaptive.step_cost.observe_overhead(1000 * (time.perf_counter() - t_step - t_fwd))
         return outputs
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> None:
@@ -357,13 +398,11 @@ class LLMEngine:
                 # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
                 # the tokens emitted per verify step.
                 self._count_spec(r, len(r.drafts), min(res.num_accepted, n - 1), n)
-                if r.spec_config.num_speculative_tokens_schedule == "heuristic":
-                    k_max = r.spec_config.num_speculative_tokens
-                    k_now = r.num_speculative_tokens or k_max
-                    r.num_speculative_tokens = min(k_now + 2, k_max) if res.num_accepted == len(r.drafts) else max(k_now - 1, 1)
             r.num_computed_tokens += 1 + accepted
             self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
         r.drafts, r.draft_probs = [], None
+        if r.spec_config is not None and r.spec_config.adaptive:
+            self.adaptive.on_commit(r)
         if r.finish_reason is not None:
             self._finish(r)
         return self._make_output(r)
@@ -380,6 +419,8 @@ class LLMEngine:
         self.scheduler.remove(r)
         if r.spec_config is not None:
             self._proposers[proposer_key(r.spec_config)].finish_request(r.request_id, r.all_token_ids)
+            if r.spec_config.adaptive:
+                self.adaptive.finish_request(r)
         self.requests.pop(r.request_id, None)
 
     def _make_output(self, r: Request) -> RequestOutput:

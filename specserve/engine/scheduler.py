@@ -85,14 +85,12 @@ class Scheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def num_speculative_tokens_for(self, req: Request, num_decoding: int) -> int:
+    def num_speculative_tokens_for(self, req: Request, batch_size: int) -> int:
         """The k cap for one decoding request (docs/speculation-cases.md B07, B08): the step commits at most
         k + 1 tokens, so k + 1 <= tokens left under max_tokens and under the context length."""
         if req.spec_config is None:
             return 0
-        k = req.spec_config.k_for_batch_size(num_decoding)
-        if req.num_speculative_tokens is not None:
-            k = min(k, req.num_speculative_tokens)
+        k = req.spec_config.k_for_batch_size(batch_size)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         k = min(k, self.max_model_len - len(req.all_token_ids) - 1)
@@ -106,9 +104,26 @@ class Scheduler:
         out = [ScheduledRequest(r, is_prefill=False) for r in decoding[: self.budget]]
         budget = self.budget - len(out)
         for s in out:
-            s.num_speculative_tokens = min(self.num_speculative_tokens_for(s.request, len(decoding)), budget)
+            # batch size as vLLM's table means it: the requests in the step (here: every running one)
+            s.num_speculative_tokens = min(self.num_speculative_tokens_for(s.request, len(self.running)), budget)
             budget -= s.num_speculative_tokens
         return out
+
+    def estimate_prefill(self, budget: int) -> tuple[int, int]:
+        """(tokens, sequences) that `schedule_prefills(budget)` would schedule now, without changing
+        anything (the adaptive schedule counts them in the step's cost before the drafts are final)."""
+        tokens = seqs = 0
+        free = self.kv.num_free_slots
+        for req in [r for r in self.running if r.in_prefill] + list(self.waiting):
+            if budget <= 0:
+                break
+            if req.status is RequestStatus.WAITING:
+                if free <= 0:
+                    break
+                free -= 1
+            n = min(len(req.prompt_token_ids) - req.num_computed_tokens, budget)
+            tokens, seqs, budget = tokens + n, seqs + 1, budget - n
+        return tokens, seqs
 
     def schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
         """Phase 2: prompt chunks within `budget` tokens (what the decodes really left after drafting),
