@@ -295,6 +295,21 @@ class LLMEngine:
             "num_free_slots": kv.num_free_slots,
         }
 
+    def speculation_stats(self) -> dict:
+        """The adaptive schedule's state for /metrics: the measured step costs (target and draft models)
+        and, per adaptive SpeculativeConfig, how often each k was chosen and its acceptance estimates."""
+        if self.adaptive is None:
+            return {}
+        costs = {self.model_name: self.adaptive.step_cost}
+        for prop in self._proposers.values():
+            if hasattr(prop, "draft_step_cost") and getattr(prop, "_step_cost", None) is not None:
+                costs[prop.draft.files.name] = prop._step_cost
+        configs = []
+        for cfg, counts in list(self.adaptive.chosen_k.items()):
+            est = self.adaptive.tracker.config_summary(cfg, proposer_key(cfg), cfg.num_speculative_tokens)
+            configs.append({"config": cfg, "chosen_k": list(counts), "acceptance": est})
+        return {"step_cost": costs, "configs": configs}
+
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

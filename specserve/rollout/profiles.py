@@ -75,6 +75,11 @@ class ProfileSet:
         return seen
 
 
+def valid_profile_name(name: str) -> bool:
+    """1-64 characters of letters, digits, _ . - (starting with a letter or digit)."""
+    return bool(_NAME_RE.match(name))
+
+
 def check_weights(weights: dict[str, Any], profiles: dict[str, Profile]) -> dict[str, float]:
     """Validate a weights mapping: known names, finite numbers >= 0, positive sum. Returns floats."""
     if not isinstance(weights, dict):
@@ -96,7 +101,7 @@ def _make_profiles(raw: dict[str, Any]) -> dict[str, Profile]:
         raise ConfigError('"profiles" must be a non-empty object of name -> speculative config or null')
     profiles: dict[str, Profile] = {}
     for name, cfg in raw.items():
-        if not _NAME_RE.match(name):
+        if not valid_profile_name(name):
             raise ConfigError(f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -")
         try:
             spec_config = SpeculativeConfig.from_dict(cfg)

@@ -99,7 +99,8 @@ def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
     app.add_middleware(ShadowCapture, replayer_getter=lambda: rollout.shadow)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
-    app.include_router(admin_router(policy, settings.admin_token, rollout.controller))
+    app.include_router(admin_router(policy, settings.admin_token, rollout.controller,
+                                    state.engine.add_speculative_config))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -126,6 +127,7 @@ def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
     @app.get("/metrics")
     async def metrics():
         state.metrics.set_engine_stats(state.engine.stats(), state.engine.in_flight)
+        state.metrics.set_speculation(state.engine.speculation_stats(), policy.profiles)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

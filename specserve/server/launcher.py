@@ -51,13 +51,18 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
+        refresh_step_cost=args.refresh_step_cost,
     ))
     settings = ServerSettings(
         allow_profile_override=args.allow_profile_override, admin_token=token, request_log=args.request_log,
         log_prompts=args.log_prompts, max_queue=args.max_queue, max_num_seqs=args.max_num_seqs,
         rollout_state=args.rollout_state,
     )
-    app = create_app(AsyncEngine(engine), profile_set, settings)
+    app = create_app(AsyncEngine(engine), profile_set, settings)  # prepares every profile: an adaptive one measures the step cost
+    if engine.adaptive is not None:
+        cm = engine.adaptive.step_cost
+        logging.getLogger("specserve.server").info("step cost of %s on %s (%s): %s", engine.model_name, engine.device,
+                                                   cm.meta.get("cache", "not cached"), cm.summary())
     logging.getLogger("specserve.server").info(
         "profiles: %s; admin API %s", {n: p.method for n, p in profile_set.profiles.items()},
         "on" if token else "off (no --admin-token)",
