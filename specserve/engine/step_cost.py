@@ -3,8 +3,8 @@
 What it does: `measure_step_cost` times real forwards through a model's own runner on the device it
 runs on (so CPU threading, huge-page weights or CUDA graphs are all in the numbers): one sequence with
 T = 1..16 new tokens (and a sparser grid above), and B sequences of one token each; every point is
-timed `repeats` times in rotating order after a short warm-up, and the fastest timing kept, made
-non-decreasing in T and B (`fit`). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
+timed `repeats` times in rotating order after a short warm-up (on a CPU by the process's CPU time, on
+CUDA by the wall clock), and the fastest timing kept (`fit`). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
 (piecewise linear between measured points, linear beyond the last) and e(B) the extra cost of B
 sequences over one sequence of the same token count (attention and metadata per sequence). An online
 `overhead_ms` (EMA of the step time outside the forward: proposing, sampling, stop checks) is added by
@@ -136,37 +136,24 @@ def seq_grid(max_seqs: int) -> list[int]:
     return grid
 
 
-def isotonic(ys: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to `ys` in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for y in ys:
-        blocks.append([float(y), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, n2 = blocks.pop()
-            m1, n1 = blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
-
-
 def fit(token_points: dict[int, list[float]], seq_points: dict[int, list[float]], meta: dict | None = None) -> StepCostModel:
     """Build the model from repeated timings (ms): `token_points[T]` = forwards of one sequence with T
     tokens, `seq_points[B]` = forwards of B sequences of one token each (B >= 2).
 
-    Each point keeps its fastest timing: on a shared machine the noise only ever adds time, and the
-    fastest of a few rotated rounds is the forward's own cost. A forward over more tokens (or more
-    sequences) never costs less, so the curves are then made non-decreasing (isotonic regression),
-    which irons out what noise is left without smoothing away the real steps of the curve.
-    e(B) = fastest(B sequences) - f(B), at least 0.
+    Each point keeps its fastest timing: on a shared machine noise only ever adds time, and the fastest
+    of a few rotated rounds is the forward's own cost. No shape is imposed: more tokens can cost less
+    (on the CPU measured here, 4 new tokens took less time than 2 or 3: the GEMM library switches
+    kernels with the row count). e(B) = fastest(B sequences) - f(B), at least 0.
     """
     tokens = sorted(token_points)
-    token_ms = isotonic([min(token_points[t]) for t in tokens])
+    token_ms = [min(token_points[t]) for t in tokens]
     partial = StepCostModel(tokens, token_ms)
     seqs, extra = [1], [0.0]
     for b in sorted(seq_points):
         if b >= 2:
             seqs.append(b)
             extra.append(max(min(seq_points[b]) - partial.forward_ms(b), 0.0))
-    return StepCostModel(tokens, token_ms, seqs, isotonic(extra), 0.0, dict(meta or {}))
+    return StepCostModel(tokens, token_ms, seqs, extra, 0.0, dict(meta or {}))
 
 
 def measure(run_forward: Callable[[list[int]], float], tokens: list[int], seqs: list[int], repeats: int = 3,
@@ -226,25 +213,30 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
         ctx_ids = [(1000 + 7 * i) % vocab for i in range(context)]
         for s in slots:
             runner.forward([SeqInput(s, 0, ctx_ids, 1)])
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        # On a CPU the process's CPU time, not the wall clock: on a shared machine the wall clock also
+        # counts the turns of other processes, which drown the differences between token counts.
+        cuda = dev.type == "cuda"
+        clock = time.perf_counter if cuda else time.process_time
 
         def run_forward(per_seq: list[int]) -> float:
             seqs_in = []
             for s, n in zip(slots, per_seq):
                 kv.truncate(s, context)
                 seqs_in.append(SeqInput(s, context, [(11 + j) % vocab for j in range(n)], n))
-            sync()
-            t0 = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = clock()
             runner.forward(seqs_in)
-            sync()
-            return 1000 * (time.perf_counter() - t0)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            return 1000 * (clock() - t0)
 
         t0 = time.perf_counter()
         cm = measure(run_forward, token_grid(max_tokens), seq_grid(len(slots)), repeats, target_s)
     finally:
         for s in slots:
             kv.free(s)
-    cm.meta.update(measurement_meta(model), context=context,
+    cm.meta.update(measurement_meta(model), context=context, clock="wall" if cuda else "process cpu time",
                    measure_s=round(time.perf_counter() - t0, 2), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return cm
 
