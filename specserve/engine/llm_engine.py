@@ -325,7 +325,7 @@ class LLMEngine:
             rest = [s for s in decodes if not (s.request.spec_config is not None and s.request.spec_config.adaptive)]
             prefill_tokens, prefill_seqs = self.scheduler.estimate_prefill(
                 self.scheduler.budget - sum(s.num_new_tokens for s in rest) - len(adaptive))
-            self.adaptive.propose(adaptive, self.prepare_speculative_config,
+            self.adaptive.propose(adaptive, lambda cfg: self._proposers[proposer_key(cfg)],
                                   other_tokens=sum(s.num_new_tokens for s in rest) + prefill_tokens,
                                   other_seqs=len(rest) + prefill_seqs)
         used = sum(s.num_new_tokens for s in decodes)
