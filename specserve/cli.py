@@ -139,7 +139,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"finish={last.finish_reason}, TTFT {1000 * ((first or end) - start):.0f} ms, decode {rate:.1f} tokens/s")
     if spec_config is not None:
         acc = last.spec_stats.mean_acceptance_length
-        line += f", {spec_config.method} k={spec_config.num_speculative_tokens}: mean acceptance length {acc:.2f}" if acc else ", no drafts"
+        k = f"k<={spec_config.num_speculative_tokens} adaptive" if spec_config.adaptive else f"k={spec_config.num_speculative_tokens}"
+        line += f", {spec_config.method} {k}: mean acceptance length {acc:.2f}" if acc else f", {spec_config.method} {k}: no drafts"
+        if spec_config.adaptive:
+            counts = engine.adaptive.chosen_k.get(spec_config, [])
+            steps = sum(counts)
+            line += f", mean k {sum(k * n for k, n in enumerate(counts)) / steps:.2f} over {steps} steps" if steps else ""
     print(line + "]", file=sys.stderr)
     return 0
 

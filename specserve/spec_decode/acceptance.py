@@ -12,7 +12,7 @@ of its acceptance over the proposer's overall acceptance shifts the estimate of 
 
 Outcomes are read from the committed tokens, not from the verify step: a draft of L tokens (before
 the adaptive choice cut it to k) is matched against the tokens the request commits in this and the
-following steps. For one-hot drafts (ngram, suffix, a greedy draft) the committed tokens do not depend
+following steps, each position recorded as soon as its token is committed. For one-hot drafts (ngram, suffix, a greedy draft) the committed tokens do not depend
 on the drafts or on k (`specserve.sample.rejection`), so this tells how far each of the L drafts would
 have been accepted even where only k were verified: the estimates cover positions the schedule did
 not try, and a low k never blinds them. Matching is exact for every draft: an accepted draft equals
@@ -45,22 +45,25 @@ class PositionCounts:
     accepted: list[float] = field(default_factory=list)
     decay: float = 1.0
 
+    def observe_position(self, j: int, accepted: bool) -> None:
+        """The draft token at position j + 1 (0-based j) was tested: accepted or not. Position 1 starts a
+        new draft: the decay applies there, once per draft."""
+        if j == 0 and self.decay < 1.0:
+            for i in range(len(self.tested)):
+                self.tested[i] *= self.decay
+                self.accepted[i] *= self.decay
+        if j >= len(self.tested):
+            self.tested += [0.0] * (j + 1 - len(self.tested))
+            self.accepted += [0.0] * (j + 1 - len(self.accepted))
+        self.tested[j] += 1.0
+        if accepted:
+            self.accepted[j] += 1.0
+
     def observe(self, num_tested: int, num_accepted: int) -> None:
-        """One draft: positions 1..num_accepted accepted, position num_accepted + 1 rejected when
+        """One whole draft: positions 1..num_accepted accepted, position num_accepted + 1 rejected when
         num_accepted < num_tested (later positions were not tested)."""
-        n = len(self.tested)
-        if self.decay < 1.0:
-            for j in range(n):
-                self.tested[j] *= self.decay
-                self.accepted[j] *= self.decay
-        depth = min(num_accepted + 1, num_tested)
-        if depth > n:
-            self.tested += [0.0] * (depth - n)
-            self.accepted += [0.0] * (depth - n)
-        for j in range(depth):
-            self.tested[j] += 1.0
-            if j < num_accepted:
-                self.accepted[j] += 1.0
+        for j in range(min(num_accepted + 1, num_tested)):
+            self.observe_position(j, j < num_accepted)
 
     def estimates(self, k: int, prior: Sequence[float] | None, weight: float) -> list[float]:
         """a_1..a_k: Beta posterior of each position with mean prior[j] and `weight` pseudo-counts; a
@@ -201,45 +204,41 @@ class AcceptanceTracker:
         st.pending.append(_Pending(start, list(tokens), buckets))
 
     def on_commit(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """The request's token ids after a commit: resolve every draft whose outcome is now known."""
+        """The request's token ids after a commit: record every draft position whose outcome is now
+        known (as soon as it is known: a draft of 8 tokens after a plain decode step tells position 1 at
+        once, position 2 after the next step, ...); a draft is done at its first mismatch or its end."""
         st = self._requests.get(request_id)
         if st is None or not st.pending:
             return
         n = len(token_ids)
         keep = []
         for p in st.pending:
-            while p.matched < len(p.tokens) and p.start + p.matched < n:
-                if token_ids[p.start + p.matched] != p.tokens[p.matched]:
-                    self._resolve(st, p, rejected=True)
+            done = False
+            while p.start + p.matched < n:
+                j = p.matched
+                ok = token_ids[p.start + j] == p.tokens[j]
+                self._observe(st, p, j, ok)
+                if not ok:
+                    done = True
                     break
                 p.matched += 1
-            else:
                 if p.matched == len(p.tokens):
-                    self._resolve(st, p, rejected=False)
-                else:
-                    keep.append(p)
+                    done = True
+                    break
+            if not done:
+                keep.append(p)
         st.pending = keep
 
     def finish_request(self, request_id: str) -> None:
-        """Stop tracking; drafts still pending count as far as they matched (no rejection seen)."""
-        st = self._requests.pop(request_id, None)
-        if st is None:
-            return
-        for p in st.pending:
-            if p.matched:
-                self._observe(st, p, p.matched, p.matched)
+        """Stop tracking (positions already recorded stay recorded; the rest of a pending draft is unknown)."""
+        self._requests.pop(request_id, None)
 
-    def _resolve(self, st: _RequestState, p: _Pending, rejected: bool) -> None:
-        self._observe(st, p, min(p.matched + 1, len(p.tokens)) if rejected else len(p.tokens), p.matched)
-
-    def _observe(self, st: _RequestState, p: _Pending, tested: int, accepted: int) -> None:
-        st.counts.observe(tested, accepted)
-        self._configs[st.config_key].observe(tested, accepted)
-        self._proposers[st.proposer_key].observe(tested, accepted)
-        cal = self._calibration[st.proposer_key]
-        for j in range(tested):
-            if p.buckets[j] is not None:
-                cal.observe(p.buckets[j], j < accepted)
+    def _observe(self, st: _RequestState, p: _Pending, j: int, accepted: bool) -> None:
+        st.counts.observe_position(j, accepted)
+        self._configs[st.config_key].observe_position(j, accepted)
+        self._proposers[st.proposer_key].observe_position(j, accepted)
+        if p.buckets[j] is not None:
+            self._calibration[st.proposer_key].observe(p.buckets[j], accepted)
 
     @property
     def num_requests(self) -> int:

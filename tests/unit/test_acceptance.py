@@ -31,7 +31,8 @@ def test_outcomes_from_committed_tokens_beyond_k():
     t.add_draft("r", len(ids), [7, 8, 9, 10])  # a draft of 4 tokens; say only 1 was verified
     ids += [7, 8]  # this step committed the accepted draft 7 and the bonus 8 (= draft 2, not verified)
     t.on_commit("r", ids)
-    assert t._requests["r"].pending  # draft 3 and 4 are not known yet
+    assert t._requests["r"].pending  # draft 3 and 4 are not known yet; 1 and 2 are recorded already
+    assert t._requests["r"].counts.tested == [1, 1] and t._requests["r"].counts.accepted == [1, 1]
     ids += [9, 11]
     t.on_commit("r", ids)  # 9 matches, 11 != 10: 3 of 4 would have been accepted
     counts = t._requests["r"].counts
@@ -45,10 +46,12 @@ def test_outcomes_from_committed_tokens_beyond_k():
     assert counts.tested[0] == pytest.approx(1 * 0.92 + 1) and counts.accepted[0] == pytest.approx(0.92)
 
 
-def test_pending_drafts_at_finish_count_as_far_as_they_matched():
+def test_positions_are_recorded_as_soon_as_known_and_kept_at_finish():
     t = AcceptanceTracker()
     t.add_request("r", "cfg", "prop")
     t.add_draft("r", 2, [4, 5, 6])
+    t.on_commit("r", [0, 1, 4])  # a plain decode step: position 1 is known, and counts at once
+    assert t.estimates("r", 1)[0] > 0.5 and t._configs["cfg"].tested == [1]
     t.on_commit("r", [0, 1, 4, 5])  # request ends here (e.g. max_tokens)
     t.finish_request("r")
     assert t._configs["cfg"].tested == [1, 1] and t._configs["cfg"].accepted == [1, 1]
