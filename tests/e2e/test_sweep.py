@@ -35,8 +35,15 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
         # a second sweep on the same server adds its own profiles (no clash with the first one's)
         assert main(argv[:-1] + [str(tmp_path / "again")]) == 0
         capsys.readouterr()
-        profiles = json.loads(__import__("httpx").get(srv.base_url + "/admin/profiles",
-                                                       headers={"authorization": "Bearer t"}).text)["profiles"]
+        import httpx
+
+        profiles = httpx.get(srv.base_url + "/admin/profiles", headers={"authorization": "Bearer t"}).json()["profiles"]
+        prom = httpx.get(srv.base_url + "/metrics").text
+    # the adaptive schedule's state is in /metrics: the measured step cost, k chosen per profile, estimates
+    assert 'specserve:step_cost_forward_seconds{model="tiny",num_tokens="1"}' in prom
+    adaptive_name = next(n for n in profiles if n.endswith(".ngram_adaptive"))
+    assert f'specserve:spec_decode_adaptive_steps_total{{k="0",profile="{adaptive_name}"}}' in prom
+    assert f'specserve:spec_decode_acceptance_estimate{{position="1",profile="{adaptive_name}"}}' in prom
     summary = json.loads(out.strip().splitlines()[-1])
     recs = summary["recommendations"]
     assert {(r["segment"], r["concurrency"]) for r in recs} == {("code", 1), ("code", 2), ("chat", 1), ("chat", 2)}
