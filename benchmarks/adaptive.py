@@ -114,7 +114,8 @@ def main() -> None:
 
     from specserve.bench import sweep
     from specserve.bench.sweep_select import recommend, summarize_runs
-    from specserve.demo import ServerProcess, prepare_model
+    from specserve.bench.server_process import ServerProcess
+    from specserve.demo import prepare_model
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -124,8 +125,9 @@ def main() -> None:
     os.environ["SPECSERVE_ADMIN_TOKEN"] = token  # the server reads it; never on a command line
     empty = work / "profiles.json"
     empty.write_text(json.dumps({"profiles": {"baseline": None}}))
-    server = ServerProcess(str(files.path), str(empty), work / "server.log", dtype=args.dtype, device=args.device,
-                           max_num_seqs=max(conc))
+    server = ServerProcess(["--model", str(files.path), "--profiles", str(empty), "--allow-profile-override",
+                            "--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(max(conc)),
+                            "--log-level", "warning"], work / "server.log")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     t0 = time.perf_counter()
     server.start(900)

@@ -8,7 +8,7 @@ Two ways to reach servers:
 - external servers (`--server-cmd TEMPLATE`), e.g. one vLLM server per config: for each profile the
   template is started in a shell with {port}, {speculative_config} (JSON, or empty for the baseline)
   and {speculative_config_arg} (`--speculative-config '<json>'`, or empty) filled in, polled until
-  GET /v1/models answers, benchmarked with the server's default profile, and stopped.
+  GET /health answers (`bench.server_process`), benchmarked with the server's default profile, and stopped.
 
 What a sweep runs: for every repeat, segment and concurrency, every profile (the baseline first in the
 list, the order rotated from run to run so that machine noise hits every profile alike) sends the same
@@ -29,8 +29,6 @@ import hashlib
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -233,72 +231,25 @@ def format_command(template: str, port: int, config: dict | None) -> str:
     return template.format(port=port, speculative_config=text, speculative_config_arg=arg)
 
 
-class CommandServer:
-    """A server started from a shell command in its own session; `stop()` ends its whole process group."""
-
-    def __init__(self, command: str, port: int, log_path: Path):
-        self.command, self.port, self.log_path = command, port, log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float) -> None:
-        """Start and wait for GET /v1/models. Raises SweepError when it exits or times out."""
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(["bash", "-c", self.command], stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise SweepError(f"server command exited with status {self.proc.returncode} while starting: "
-                                 f"{self.command}\n{self._tail()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SweepError(f"server command did not answer /v1/models within {timeout_s:.0f} s "
-                                 f"(--server-timeout): {self.command}\n{self._tail()}")
-            time.sleep(0.5)
-
-    def _tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-1500:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL after 20 s."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-
 async def sweep_external(cfg: SweepConfig, profiles: dict[str, dict | None], log_dir: Path) -> list[dict]:
     """Run the sweep with one external server per profile (`cfg.server_cmd`)."""
     from specserve.bench.runner import discover_model
-    from specserve.demo import _free_port
+    from specserve.bench.server_process import ServerProcess, ServerStartError
 
     total = cfg.repeats * len(cfg.segments) * len(cfg.concurrency) * len(profiles) * cfg.num_prompts
     bar = tqdm(total=total, desc="sweep", unit="req", file=sys.stderr, disable=not cfg.progress)
     runs = []
     try:
         for name, c in profiles.items():
-            port = _free_port()
-            srv = CommandServer(format_command(cfg.server_cmd, port, c), port, log_dir / f"server-{name}.log")
+            srv = ServerProcess.command(lambda port, c=c: ["bash", "-c", format_command(cfg.server_cmd, port, c)],
+                                        log_dir / f"server-{name}.log")
             bar.set_description(f"starting {name}")
-            srv.start(cfg.server_timeout_s)
             try:
-                base_url = f"http://127.0.0.1:{port}/v1"
+                srv.start(cfg.server_timeout_s, "--server-timeout")
+            except ServerStartError as e:
+                raise SweepError(f"the server of profile {name} did not start: {e}") from None
+            try:
+                base_url = srv.base_url + "/v1"
                 async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as cl:
                     model = cfg.model or await discover_model(cl, base_url)
                     runs += await _sweep_loop(cl, cfg, base_url, model, {name: name}, only=name, bar=bar)

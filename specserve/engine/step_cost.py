@@ -278,14 +278,14 @@ def measurement_meta(model: Any) -> dict[str, Any]:
 
 def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path:
     """Where the measurement of `model` with this grid lives: $SPECSERVE_HOME/step_cost/<model>-<key>.json."""
-    from specserve.hub import cache_root
+    from specserve.hub import home
 
     meta = measurement_meta(model)
     name = meta.pop("model")  # the checksum identifies the weights; a folder's name may change
     key = json.dumps({**meta, "max_tokens": max_tokens, "max_seqs": max_seqs, "context": context}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:60] if model.files.source == "catalog" else "model"
-    return cache_root() / "step_cost" / f"{safe}-{digest}.json"
+    return home() / "step_cost" / f"{safe}-{digest}.json"
 
 
 def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int = 256, repeats: int = 3,
