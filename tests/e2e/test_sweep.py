@@ -22,10 +22,12 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
     from specserve.engine.llm_engine import LLMEngine
     from specserve.rollout.profiles import default_profile_set
     from specserve.server.api import ServerSettings, create_app
+    from specserve.server.async_engine import AsyncEngine
     from specserve.server.launcher import ServerThread
 
     engine = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", device="cpu", max_num_seqs=4))
-    app = create_app(engine, default_profile_set(None), ServerSettings(admin_token="t", allow_profile_override=True))
+    app = create_app(AsyncEngine(engine), default_profile_set(None),
+                     ServerSettings(admin_token="t", allow_profile_override=True))
     with ServerThread(app) as srv:
         argv = ["sweep", "--base-url", srv.base_url + "/v1", "--admin-token", "t", "--methods", "ngram,suffix",
                 "--k", "2,4", "--concurrency", "1,2", "--segments", "code,chat", "--num-prompts", "2",

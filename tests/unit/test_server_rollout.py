@@ -169,13 +169,14 @@ def test_metrics_agree_with_responses_and_request_log(tmp_path):
     assert all("prompt" not in r for r in recs)
 
 
-def test_admin_adds_a_profile_at_run_time(tmp_path):
-    """POST /admin/profiles validates, prepares the config on the engine thread, and the profile serves
-    (by override at weight 0, by weight when given) without a restart."""
+def test_admin_adds_a_profile_at_run_time(tmp_path, monkeypatch):
+    """POST /admin/profiles validates, prepares the config on the engine thread (an adaptive one measures
+    the step cost), and the profile serves (by override at weight 0, by weight when given), no restart."""
     from specserve.config import ConfigError
 
-    engine = FakeEngine()
-    srv = _start(tmp_path, engine=engine, allow_profile_override=True)
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))  # where the toy model's step cost is cached
+    client = fake_client()
+    srv = _start(tmp_path, engine=client, allow_profile_override=True)
     try:
         u = srv.base_url
         new = {"method": "ngram", "num_speculative_tokens": 8, "num_speculative_tokens_schedule": "adaptive"}
@@ -193,12 +194,12 @@ def test_admin_adds_a_profile_at_run_time(tmp_path):
         assert httpx.post(u + "/admin/profiles", content=b"{", headers=AUTH).status_code == 400
         r = httpx.post(u + "/admin/profiles", json={"name": "ngram_4", "config": new}, headers=AUTH)
         assert r.status_code == 409 and r.json()["error"]["code"] == "profile_exists"
-        prepared = len(engine.prepared)
+        assert client.engine.adaptive is None
         r = httpx.post(u + "/admin/profiles", json={"name": "ad", "config": new}, headers=AUTH)
         assert r.status_code == 201, r.text
         st = r.json()
         assert st["profiles"]["ad"]["config"]["num_speculative_tokens_schedule"] == "adaptive"
-        assert st["weights"]["ad"] == 0.0 and len(engine.prepared) == prepared + 1
+        assert st["weights"]["ad"] == 0.0 and client.engine.adaptive is not None  # step cost measured
         c = _client(srv)
         assert _profile(c, extra_body={"profile": "ad"}) == "ad"
         assert {_profile(c) for _ in range(6)} <= {"baseline", "ngram_4"}  # weight 0: no traffic of its own
@@ -211,7 +212,7 @@ def test_admin_adds_a_profile_at_run_time(tmp_path):
         def refuse(cfg):
             raise ConfigError("draft model does not share the target's tokenizer")
 
-        engine.prepare_speculative_config = refuse
+        client.engine.prepare_speculative_config = refuse
         r = httpx.post(u + "/admin/profiles", json={"name": "d", "config": {"method": "draft_model", "model": "m"}},
                        headers=AUTH)
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
