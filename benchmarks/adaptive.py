@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,6,8", help="static k of part B")
     ap.add_argument("--max-k", type=int, default=8, help="num_speculative_tokens of the adaptive profiles")
     ap.add_argument("--segments", default=",".join(SEGMENTS))
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="OMP_NUM_THREADS for the server (default: torch's own choice)")
     ap.add_argument("--sweep-check", action="store_true", help="also time the sweep goal and re-run it")
     ap.add_argument("--tag", default=None, help="suffix for the output file name")
     ap.add_argument("--out", default=None, help="folder for adaptive_<device>.json")
@@ -123,6 +125,8 @@ def main() -> None:
     token = secrets.token_hex(8)
     conc = [int(c) for c in args.concurrency.split(",")]
     os.environ["SPECSERVE_ADMIN_TOKEN"] = token  # the server reads it; never on a command line
+    if args.torch_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
     empty = work / "profiles.json"
     empty.write_text(json.dumps({"profiles": {"baseline": None}}))
     server = ServerProcess(["--model", str(files.path), "--profiles", str(empty), "--allow-profile-override",
@@ -149,6 +153,7 @@ def main() -> None:
         all_profiles = {**parts[0][1], **parts[1][1]}
         result = {"benchmark": "adaptive", "model": args.model, "started": started,
                   "conditions": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, "
+                                f"server threads {args.torch_threads or 'torch default'}, "
                                 f"greedy, max_tokens {args.max_tokens}, {args.num_prompts} prompts per run, "
                                 f"concurrency {args.concurrency}, {args.repeats} repeats, order rotated per run, "
                                 "fresh prompts per repeat and concurrency, through `specserve serve`",

@@ -155,6 +155,7 @@ class AcceptanceTracker:
         self._configs: dict[Hashable, PositionCounts] = {}
         self._proposers: dict[Hashable, PositionCounts] = {}
         self._calibration: dict[Hashable, _Calibration] = {}
+        self._memo: dict = {}  # priors and calibration shifts, valid until the next observation
 
     def add_request(self, request_id: str, config_key: Hashable, proposer_key: Hashable) -> None:
         """Start tracking a request (idempotent)."""
@@ -166,8 +167,11 @@ class AcceptanceTracker:
 
     def prior(self, config_key: Hashable, proposer_key: Hashable, k: int) -> list[float]:
         """The config's estimates a_1..a_k (its counts over the proposer's prior)."""
-        base = self._proposers.get(proposer_key, PositionCounts()).estimates(k, None, 1.0)
-        return self._configs.get(config_key, PositionCounts()).estimates(k, base, PROFILE_WEIGHT)
+        key = ("prior", config_key, proposer_key, k)
+        if key not in self._memo:
+            base = self._proposers.get(proposer_key, PositionCounts()).estimates(k, None, 1.0)
+            self._memo[key] = self._configs.get(config_key, PositionCounts()).estimates(k, base, PROFILE_WEIGHT)
+        return self._memo[key]
 
     def estimates(self, request_id: str, k: int, match_len: int | None = None,
                   confidence: Sequence[float] | None = None) -> list[float]:
@@ -188,7 +192,11 @@ class AcceptanceTracker:
         out = []
         for j, a in enumerate(est):
             c = confidence[j] if confidence is not None and j < len(confidence) else None
-            shift = cal.shift(confidence_bucket(match_len, c))
+            bucket = confidence_bucket(match_len, c)
+            key = ("shift", st.proposer_key, bucket)
+            shift = self._memo.get(key)
+            if shift is None:
+                shift = self._memo[key] = cal.shift(bucket)
             out.append(_sigmoid(_logit(a) + shift) if shift else a)
         return out
 
@@ -234,6 +242,7 @@ class AcceptanceTracker:
         self._requests.pop(request_id, None)
 
     def _observe(self, st: _RequestState, p: _Pending, j: int, accepted: bool) -> None:
+        self._memo.clear()
         st.counts.observe_position(j, accepted)
         self._configs[st.config_key].observe_position(j, accepted)
         self._proposers[st.proposer_key].observe_position(j, accepted)

@@ -124,7 +124,8 @@ def choose_draft_lengths(
     def value(gain_sum: float, cost: float) -> float:
         return gain_sum - seqs * math.log(cost) if fair else (n + gain_sum) / cost
 
-    base_cost = step_ms(base_tokens, seqs)
+    costs = [step_ms(base_tokens + t, seqs) for t in range(len(incs) + 1)]  # by total drafts
+    base_cost = costs[0]
     best = Choice([0] * n, value(0.0, base_cost), base_cost, float(n))
     threshold = best.value + (seqs * math.log1p(min_gain) if fair else best.value * min_gain)
     for cap in range(1, max_group_depth + 1) if group_cost else [0]:
@@ -147,7 +148,7 @@ def choose_draft_lengths(
             total += 1
             gain_sum += gain
             tokens += p
-            cost = step_ms(base_tokens + total, seqs) + draft_ms
+            cost = costs[total] + draft_ms
             v = value(gain_sum, cost)
             if v > best.value + 1e-12 and v >= threshold:
                 best = Choice(list(ks), v, cost, n + tokens)
