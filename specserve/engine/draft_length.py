@@ -18,7 +18,7 @@ drafts, and is lossless for any k), schedule, or run the target.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from specserve.engine.step_cost import StepCostModel
 from specserve.request import Request
@@ -53,73 +53,75 @@ class AdaptiveDrafts:
         """Track a request of an adaptive config."""
         self.tracker.add_request(req.request_id, req.spec_config, proposer_key(req.spec_config))
 
-    def propose(self, scheduled: list, proposer_of: Callable[[Any], Proposer], *, other_tokens: int,
-                other_seqs: int) -> None:
-        """Set `drafts` / `draft_probs` of every request in `scheduled` (ScheduledRequests of adaptive
-        configs, each with its cap in `num_speculative_tokens`).
+    def propose(self, asks: Sequence[tuple[Request, int]], proposer_of: Callable[[Any], Proposer], *,
+                other_tokens: int, other_seqs: int) -> list[Proposal]:
+        """Drafts for the decoding requests of adaptive configs, cut to the k chosen for each.
 
         Args:
+            asks: (request, k cap) pairs, k cap >= 1 (max_tokens, context end, budget and the batch-size
+                table applied).
             proposer_of: the proposer of a SpeculativeConfig.
             other_tokens: new tokens of the rest of the step (other decodes with their drafts, prefill chunks).
             other_seqs: sequences in the rest of the step.
+
+        Returns:
+            one Proposal per ask, in order, with 0..cap drafts (0: a plain decode this step).
         """
-        free: dict[Any, list] = defaultdict(list)
-        costly: dict[Any, list] = defaultdict(list)
-        for s in scheduled:
-            s.request.drafts, s.request.draft_probs = [], None
-            if s.num_speculative_tokens <= 0:
-                continue
-            prop = proposer_of(s.request.spec_config)
-            (costly if hasattr(prop, "draft_step_cost") else free)[proposer_key(s.request.spec_config)].append(s)
-        proposals: dict[str, Proposal] = {}
-        for group in free.values():
-            prop = proposer_of(group[0].request.spec_config)
-            for s, p in zip(group, prop.propose([_input(s, s.num_speculative_tokens) for s in group])):
-                p.token_ids = list(p.token_ids[: s.num_speculative_tokens])
-                proposals[s.request.request_id] = p
-                self.tracker.add_draft(s.request.request_id, len(s.request.all_token_ids), p.token_ids,
-                                       p.match_len, p.confidence)
-        reqs, options = [], []
-        for group in free.values():
-            for s in group:
-                p = proposals[s.request.request_id]
-                if p.token_ids:
-                    reqs.append(s)
-                    options.append(DraftOption(self.tracker.estimates(s.request.request_id, len(p.token_ids),
-                                                                      p.match_len, p.confidence)))
-                else:
-                    other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
-        for key, group in costly.items():
-            cost = proposer_of(group[0].request.spec_config).draft_step_cost()
-            for s in group:
-                reqs.append(s)
-                options.append(DraftOption(self.tracker.estimates(s.request.request_id, s.num_speculative_tokens),
-                                           draft_group=key, draft_cost_ms=lambda n, c=cost: c.forward_ms(n, n)))
-        other_tokens += sum(1 for s in scheduled if s.num_speculative_tokens <= 0)
-        other_seqs += sum(1 for s in scheduled if s.num_speculative_tokens <= 0)
+        free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
+        costly: dict[Any, list[int]] = defaultdict(list)
+        for i, (r, _cap) in enumerate(asks):
+            prop = proposer_of(r.spec_config)
+            (costly if hasattr(prop, "draft_step_cost") else free)[proposer_key(r.spec_config)].append(i)
+        full: dict[int, Proposal] = {}
+        for idx in free.values():
+            prop = proposer_of(asks[idx[0]][0].spec_config)
+            for i, p in zip(idx, prop.propose([_input(*asks[i]) for i in idx])):
+                r, cap = asks[i]
+                p.token_ids = list(p.token_ids[:cap])
+                full[i] = p
+                self.tracker.add_draft(r.request_id, len(r.all_token_ids), p.token_ids, p.match_len, p.confidence)
+        chosen, options = [], []
+        for i, p in full.items():
+            if p.token_ids:
+                chosen.append(i)
+                options.append(DraftOption(self.tracker.estimates(asks[i][0].request_id, len(p.token_ids),
+                                                                  p.match_len, p.confidence)))
+            else:
+                other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
+        for key, idx in costly.items():
+            cost = proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
+            for i in idx:
+                r, cap = asks[i]
+                chosen.append(i)
+                options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
+                                           draft_cost_ms=lambda n, c=cost: c.forward_ms(n, n)))
         choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
                                       num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain)
         self.last_choice = choice
-        ks = {s.request.request_id: k for s, k in zip(reqs, choice.ks)}
-        for s in scheduled:
-            k = ks.get(s.request.request_id, 0)
-            counts = self.chosen_k[s.request.spec_config]
+        ks = dict(zip(chosen, choice.ks))
+        out: list[Proposal] = []
+        for i, (r, _cap) in enumerate(asks):
+            k = ks.get(i, 0)
+            counts = self.chosen_k[r.spec_config]
             counts += [0] * (k + 1 - len(counts))
             counts[k] += 1
-            p = proposals.get(s.request.request_id)
-            if p is not None and k:
-                s.request.drafts = p.token_ids[:k]
-                s.request.draft_probs = p.draft_probs[:k] if p.draft_probs is not None else None
-        for key, group in costly.items():
-            todo = [s for s in group if ks.get(s.request.request_id, 0) > 0]
+            p = full.get(i)
+            if p is None or not k:
+                out.append(Proposal([]))
+            else:
+                out.append(Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
+                                    p.match_len, p.confidence[:k] if p.confidence else None))
+        for key, idx in costly.items():
+            todo = [i for i in idx if ks.get(i, 0) > 0]
             if not todo:
                 continue
-            prop = proposer_of(todo[0].request.spec_config)
-            for s, p in zip(todo, prop.propose([_input(s, ks[s.request.request_id]) for s in todo])):
-                k = ks[s.request.request_id]
-                s.request.drafts = list(p.token_ids[:k])
-                s.request.draft_probs = p.draft_probs[: len(s.request.drafts)] if p.draft_probs is not None else None
-                self.tracker.add_draft(s.request.request_id, len(s.request.all_token_ids), s.request.drafts)
+            prop = proposer_of(asks[todo[0]][0].spec_config)
+            for i, p in zip(todo, prop.propose([_input(asks[i][0], ks[i]) for i in todo])):
+                r = asks[i][0]
+                drafts = list(p.token_ids[: ks[i]])
+                out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
+                self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
+        return out
 
     def on_commit(self, req: Request) -> None:
         """The request committed tokens: resolve its pending drafts."""
@@ -130,6 +132,5 @@ class AdaptiveDrafts:
         self.tracker.finish_request(req.request_id)
 
 
-def _input(s, k: int) -> ProposalInput:
-    r = s.request
+def _input(r: Request, k: int) -> ProposalInput:
     return ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.generator)

@@ -323,11 +323,15 @@ class LLMEngine:
                        and not (s.request.spec_config is not None and s.request.spec_config.adaptive)])
         if adaptive:
             rest = [s for s in decodes if not (s.request.spec_config is not None and s.request.spec_config.adaptive)]
+            asks = [s for s in adaptive if s.num_speculative_tokens > 0]
             prefill_tokens, prefill_seqs = self.scheduler.estimate_prefill(
                 self.scheduler.budget - sum(s.num_new_tokens for s in rest) - len(adaptive))
-            self.adaptive.propose(adaptive, lambda cfg: self._proposers[proposer_key(cfg)],
-                                  other_tokens=sum(s.num_new_tokens for s in rest) + prefill_tokens,
-                                  other_seqs=len(rest) + prefill_seqs)
+            props = self.adaptive.propose(
+                [(s.request, s.num_speculative_tokens) for s in asks], lambda cfg: self._proposers[proposer_key(cfg)],
+                other_tokens=sum(s.num_new_tokens for s in rest) + len(adaptive) - len(asks) + prefill_tokens,
+                other_seqs=len(rest) + len(adaptive) - len(asks) + prefill_seqs)
+            for s, p in zip(asks, props):
+                s.request.drafts, s.request.draft_probs = list(p.token_ids), p.draft_probs
         used = sum(s.num_new_tokens for s in decodes)
         scheduled = decodes + self.scheduler.schedule_prefills(self.scheduler.budget - used)
         if not scheduled:
