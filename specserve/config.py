@@ -98,7 +98,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     draft_tensor_parallel_size: int = 1
-    num_speculative_tokens_per_batch_size: tuple[tuple[int, int], ...] | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     num_speculative_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
