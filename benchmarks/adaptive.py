@@ -119,6 +119,13 @@ def main() -> None:
     from specserve.bench.server_process import ServerProcess
     from specserve.demo import prepare_model
 
+    def write(result: dict) -> None:
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            name = f"adaptive_{args.device}" + (f"_{args.tag}" if args.tag else "")
+            (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     files = prepare_model(args.model, progress=True)
@@ -143,22 +150,31 @@ def main() -> None:
         runs = []
         parts = [([s for s in segs if s not in STATIC_SEGMENTS], profiles([], args.max_k, static=False)),
                  ([s for s in segs if s in STATIC_SEGMENTS], profiles([int(k) for k in args.ks.split(",")], args.max_k, True))]
+        all_profiles = {**parts[0][1], **parts[1][1]}
+        result: dict = {}
+
+        def checkpoint(partial: bool) -> None:  # a long run keeps what it measured so far
+            rows = summarize_runs(runs)
+            result.update({
+                "benchmark": "adaptive", "model": args.model, "started": started, "partial": partial,
+                "conditions": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, "
+                              f"server threads {args.torch_threads or 'torch default'}, "
+                              f"greedy, max_tokens {args.max_tokens}, {args.num_prompts} prompts per run, "
+                              f"concurrency {args.concurrency}, {args.repeats} repeats, order rotated per run, "
+                              "fresh prompts per repeat and concurrency, through `specserve serve`",
+                "profiles": all_profiles, "summary": summarize(rows),
+                "recommendations": recommend(rows, all_profiles, 0.02), "rows": rows, "runs": runs,
+                "wall_s": round(time.perf_counter() - t0, 1)})
+            write(result)
+
         for i, (part_segs, profs) in enumerate(parts):
             if not part_segs:
                 continue
             cfg = sweep.SweepConfig(segments=part_segs, **common)
             print(f"part {'AB'[i]}: {', '.join(part_segs)} x {', '.join(profs)}", file=sys.stderr, flush=True)
             runs += asyncio.run(sweep.sweep_server(cfg, profs, f"{i}{secrets.token_hex(2)}"))
-        rows = summarize_runs(runs)
-        all_profiles = {**parts[0][1], **parts[1][1]}
-        result = {"benchmark": "adaptive", "model": args.model, "started": started,
-                  "conditions": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, "
-                                f"server threads {args.torch_threads or 'torch default'}, "
-                                f"greedy, max_tokens {args.max_tokens}, {args.num_prompts} prompts per run, "
-                                f"concurrency {args.concurrency}, {args.repeats} repeats, order rotated per run, "
-                                "fresh prompts per repeat and concurrency, through `specserve serve`",
-                  "profiles": all_profiles, "summary": summarize(rows),
-                  "recommendations": recommend(rows, all_profiles, 0.02), "rows": rows, "runs": runs}
+            checkpoint(partial=True)
+        checkpoint(partial=bool(args.sweep_check))
         if args.sweep_check:
             first, wall1 = run_cli_sweep(base_url, token, work / "sweep1", args)
             again, wall2 = run_cli_sweep(base_url, token, work / "sweep2", args)
@@ -171,7 +187,9 @@ def main() -> None:
                 "consistent": consistent(first["recommendations"], again["recommendations"])}
             result["summary"]["sweep_wall_s"] = max(wall1, wall2)
             result["summary"]["sweep_reproduces"] = result["sweep_check"]["consistent"]["all"]
-        result["wall_s"] = round(time.perf_counter() - t0, 1)
+            result["partial"] = False
+            result["wall_s"] = round(time.perf_counter() - t0, 1)
+            write(result)
     finally:
         server.stop()
     s = result["summary"]
@@ -179,11 +197,6 @@ def main() -> None:
           + ", ".join(f"{k} {v:.3f}" for k, v in s["kept_of_best_static"].items()))
     for p, v in s["adaptive_speedups"].items():
         print(f"  {p}: " + ", ".join(f"{k} {x:.2f}x" for k, x in v.items()))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        name = f"adaptive_{args.device}" + (f"_{args.tag}" if args.tag else "")
-        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "rows")}))
 
 
