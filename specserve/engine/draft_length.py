@@ -3,8 +3,11 @@
 
 What it does, per step, for the decoding requests of adaptive configs (each with its k cap from the
 scheduler: max_tokens, context end, batch-size table, token budget):
-1. proposers that draft for free (ngram, suffix) propose up to the cap; every draft is recorded in the
-   `AcceptanceTracker` at full length (its outcome is read from the committed tokens later);
+1. proposers whose time does not grow with k (ngram, suffix) propose up to the cap; every draft is
+   recorded in the `AcceptanceTracker` at full length (its outcome is read from the committed tokens
+   later). When drafting itself costs a noticeable part of the step (measured per proposer: on a fast
+   GPU a Python suffix tree can), requests that would get k = 0 anyway skip it, except every
+   PROBE_EVERY-th step;
 2. `choose_draft_lengths` picks k per request from the acceptance estimates (with the proposer's own
    confidence), the target's measured step cost (`StepCostModel`) over the whole step (the other
    requests' tokens and the prefill chunks included) and, for a draft model, its own measured forward
@@ -17,6 +20,7 @@ drafts, and is lossless for any k), schedule, or run the target.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
@@ -26,6 +30,9 @@ from specserve.spec_decode import proposer_key
 from specserve.spec_decode.acceptance import AcceptanceTracker
 from specserve.spec_decode.adaptive import Choice, DraftOption, choose_draft_lengths
 from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer
+
+
+PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to keep learning
 
 
 class AdaptiveDrafts:
@@ -48,6 +55,8 @@ class AdaptiveDrafts:
         self.tracker = AcceptanceTracker()
         self.last_choice: Choice | None = None
         self.chosen_k: dict[Any, list[int]] = defaultdict(list)
+        self.propose_ms: dict[Any, float] = {}  # per proposer key: EMA of the drafting time per request (ms)
+        self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config."""
@@ -72,10 +81,18 @@ class AdaptiveDrafts:
         for i, (r, _cap) in enumerate(asks):
             prop = proposer_of(r.spec_config)
             (costly if hasattr(prop, "draft_step_cost") else free)[proposer_key(r.spec_config)].append(i)
-        full: dict[int, Proposal] = {}
-        for idx in free.values():
+        skip = self._hopeless(asks, free, other_tokens, other_seqs)
+        full: dict[int, Proposal] = {i: Proposal([]) for i in skip}
+        for key, all_idx in free.items():
+            idx = [i for i in all_idx if i not in skip]
+            if not idx:
+                continue
             prop = proposer_of(asks[idx[0]][0].spec_config)
-            for i, p in zip(idx, prop.propose([_input(*asks[i]) for i in idx])):
+            t0 = time.perf_counter()
+            props = prop.propose([_input(*asks[i]) for i in idx])
+            ms = 1000 * (time.perf_counter() - t0) / len(idx)
+            self.propose_ms[key] = ms if key not in self.propose_ms else 0.9 * self.propose_ms[key] + 0.1 * ms
+            for i, p in zip(idx, props):
                 r, cap = asks[i]
                 p.token_ids = list(p.token_ids[:cap])
                 full[i] = p
@@ -123,6 +140,33 @@ class AdaptiveDrafts:
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
         return out
 
+    def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
+        """Requests of free proposers that should not even draft this step: when drafting costs time that
+        matters (at least 1% of the step per request, as on a fast GPU), a request for which k = 0 is
+        chosen even with the most optimistic estimates its history allows (no confidence signal, the
+        cap's full length) skips the proposer, except every PROBE_EVERY-th step, when it drafts anyway
+        so that its estimates can learn (`_skipped` counts the steps in a row)."""
+        idx = [i for group in free.values() for i in group]
+        if not idx:
+            return set()
+        step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
+        costly_keys = {k for k, group in free.items() if self.propose_ms.get(k, 0.0) >= 0.01 * step}
+        idx = [i for i in idx if proposer_key(asks[i][0].spec_config) in costly_keys]
+        if not idx:
+            return set()
+        options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, asks[i][1])) for i in idx]
+        pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
+                                   num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective)
+        out = set()
+        for i, k in zip(idx, pre.ks):
+            rid = asks[i][0].request_id
+            if k == 0 and self._skipped.get(rid, 0) < PROBE_EVERY - 1:
+                self._skipped[rid] = self._skipped.get(rid, 0) + 1
+                out.add(i)
+            else:
+                self._skipped[rid] = 0
+        return out
+
     def on_commit(self, req: Request) -> None:
         """The request committed tokens: resolve its pending drafts."""
         self.tracker.on_commit(req.request_id, req.all_token_ids)
@@ -130,6 +174,7 @@ class AdaptiveDrafts:
     def finish_request(self, req: Request) -> None:
         """The request left the engine."""
         self.tracker.finish_request(req.request_id)
+        self._skipped.pop(req.request_id, None)
 
 
 def _input(r: Request, k: int) -> ProposalInput:
