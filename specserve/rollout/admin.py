@@ -123,6 +123,9 @@ def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutCo
             raise APIError(400, f"weight must be a finite number >= 0, got {weight!r}", param="weight")
         if name in policy.profiles:
             raise APIError(409, f"profile {name!r} already exists", param="name", code="profile_exists")
+        if weight and controller is not None and controller.active:
+            raise APIError(409, "a staged rollout owns the weights while it runs; add the profile with weight 0",
+                           param="weight", code="rollout_conflict")
         try:
             spec_config = SpeculativeConfig.from_dict(body["config"])
             if spec_config is not None:
