@@ -1,22 +1,20 @@
 """Per-request state inside the engine.
 
 What it does: holds one request's tokens, progress (`num_computed_tokens`: positions whose K/V are in
-the cache), sampling state (its own random generator), detokenization/stop state, drafts for the next
-verify step, and its speculation counters. What it does not do: decide anything; the scheduler and
-the engine's update step change it.
+the cache), its sampling seed, detokenization/stop state, and its speculation counters. What it does
+not do: decide anything, or hold a step's drafts (those live in the step's `StepPlan`); the scheduler
+and the engine's commit change it.
 """
 
 from __future__ import annotations
 
 import enum
-import random
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specserve.config import SpeculativeConfig
 from specserve.outputs import SpecStats, TokenLogprob
+from specserve.sample.uniforms import seed_key
 from specserve.sampling_params import SamplingParams
 
 
@@ -39,8 +37,9 @@ class Request:
         num_computed_tokens: positions [0, n) of prompt + output whose K/V are cached. While decoding,
             this is len(all_token_ids) - 1: the newest token is fed in the next step.
         slot: KV cache slot, or None while waiting.
-        generator: this request's own random stream (seeded: reproducible alone or in any batch).
-        drafts, draft_probs: drafts proposed for the current step (cleared after verification).
+        seed: this request's sampling seed (its own, or one the engine drew for it); every uniform it
+            uses is u(seed, output position, purpose) (`specserve.sample.uniforms`), so it is
+            reproducible alone or in any batch. `rng_key` is the derived stream key.
         text: detokenized output, cut at a stop string; emitted_text_len: how much was streamed.
         prefix_offset, read_offset: incremental detokenization offsets into all_token_ids.
     """
@@ -49,14 +48,12 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     spec_config: SpeculativeConfig | None
-    generator: random.Random
+    seed: int
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     slot: int | None = None
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None
     text: str = ""
     emitted_text_len: int = 0
@@ -71,6 +68,7 @@ class Request:
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
+        self.rng_key = seed_key(self.seed)
         self.all_token_ids = list(self.prompt_token_ids)
         self.prefix_offset = max(len(self.prompt_token_ids) - 5, 0)
         self.read_offset = len(self.prompt_token_ids)

@@ -105,10 +105,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
         seed: per-request seed. The same seed gives the same tokens whether the request runs alone or in
-            any batch (each request owns its random stream). With ngram or suffix speculation (one-hot
-            drafts) it also gives the same tokens as without speculation (README, "Guarantees"); only
-            with a draft model that samples its drafts is a seed reproducible per speculation profile
-            rather than across profiles.
+            any batch (every uniform is a function of the seed and the output position; docs/step-plan.md).
+            With ngram or suffix speculation (one-hot drafts) it also gives the same tokens as without
+            speculation (README, "Guarantees"); with a draft model that samples its drafts a seed is
+            reproducible for a given speculation profile and k.
         presence_penalty, frequency_penalty: OpenAI semantics, in [-2, 2], over generated tokens.
         repetition_penalty: CTRL-style, in [0.01, 100] (1 disables), over prompt and generated tokens.
         logit_bias: token id -> bias added to the logit (OpenAI semantics, [-100, 100]).

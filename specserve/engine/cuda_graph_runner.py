@@ -118,13 +118,7 @@ class CudaGraphRunner:
     def execute(self, inp) -> torch.Tensor:
         """`run` for the step plan's `ModelInput`: the graphs are packed from its host-side lists
         (slots, start_positions, token_ids, num_rows); its device tensors are not needed here."""
-        token_ids = getattr(inp, "token_ids", None)
-        if token_ids is None:  # a ModelInput without host token ids: read them back (one sync)
-            flat, token_ids, t = inp.input_ids.tolist(), [], 0
-            for q in inp.query_lens:
-                token_ids.append(flat[t : t + q])
-                t += q
-        return self.run(inp.slots, inp.start_positions, token_ids, inp.num_rows)
+        return self.run(inp.slots, inp.start_positions, inp.token_ids, inp.num_rows)
 
     def run(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
             num_logits: list[int]) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""The adaptive schedule inside the engine step: drafts for every request whose config says
-`"num_speculative_tokens_schedule": "adaptive"`, cut to the k chosen for the whole batch.
+"""The adaptive schedule as the step plan's k policy (`AdaptiveK`, a `DraftingKPolicy`): drafts for
+every request whose config says `"num_speculative_tokens_schedule": "adaptive"`, cut to the k chosen
+for the whole batch; requests of other configs get their configured k (`ConfiguredK`).
 
-What it does, per step, for the decoding requests of adaptive configs (each with its k cap from the
-scheduler: max_tokens, context end, batch-size table, token budget):
+What it does, per step (docs/step-plan.md): `choose` wants the configured maximum (the batch-size table
+or num_speculative_tokens); the scheduler caps it (max_tokens, context end, token budget); then `draft`,
+for the decoding requests of adaptive configs:
 1. proposers whose time does not grow with k (ngram, suffix) propose up to the cap; every draft is
    recorded in the `AcceptanceTracker` at full length (its outcome is read from the committed tokens
    later). When drafting itself costs a noticeable part of the step (measured per proposer: on a fast
@@ -13,7 +15,8 @@ scheduler: max_tokens, context end, batch-size table, token budget):
    requests' tokens and the prefill chunks included) and, for a draft model, its own measured forward
    time per drafted position;
 3. free drafts are cut to k; a draft model drafts exactly k.
-After each commit the tracker matches pending drafts against the committed tokens.
+After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
+drafts against the committed tokens.
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
 drafts, and is lossless for any k), schedule, or run the target.
 """
@@ -24,22 +27,26 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
+from specserve.engine.k_policy import ConfiguredK
 from specserve.engine.step_cost import StepCostModel
 from specserve.request import Request
 from specserve.spec_decode import proposer_key
 from specserve.spec_decode.acceptance import AcceptanceTracker
 from specserve.spec_decode.adaptive import Choice, DraftOption, choose_draft_lengths
-from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer
+from specserve.spec_decode.proposer import Proposal, Proposer
+
+ProposeFn = Callable[[Sequence[tuple[Request, int]]], Sequence[Proposal]]
 
 
 PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to keep learning
 
 
-class AdaptiveDrafts:
-    """Drafting with the adaptive schedule (see the module docstring).
+class AdaptiveK(ConfiguredK):
+    """The adaptive schedule's k policy (see the module docstring).
 
     Args:
         step_cost: the target's measured step cost.
+        proposer_of: the proposer of a SpeculativeConfig (to see whether its time grows with k).
         objective, min_gain: passed to `choose_draft_lengths`.
 
     Attributes:
@@ -48,8 +55,10 @@ class AdaptiveDrafts:
         chosen_k: per speculative config, how many times each k was chosen (index = k).
     """
 
-    def __init__(self, step_cost: StepCostModel, *, objective: str = "fair", min_gain: float = 0.0):
+    def __init__(self, step_cost: StepCostModel, proposer_of: Callable[[Any], Proposer], *,
+                 objective: str = "fair", min_gain: float = 0.0):
         self.step_cost = step_cost
+        self.proposer_of = proposer_of
         self.objective = objective
         self.min_gain = min_gain
         self.tracker = AcceptanceTracker()
@@ -62,24 +71,38 @@ class AdaptiveDrafts:
         """Track a request of an adaptive config."""
         self.tracker.add_request(req.request_id, req.spec_config, proposer_key(req.spec_config))
 
-    def propose(self, asks: Sequence[tuple[Request, int]], proposer_of: Callable[[Any], Proposer], *,
-                other_tokens: int, other_seqs: int) -> list[Proposal]:
-        """Drafts for the decoding requests of adaptive configs, cut to the k chosen for each.
+    def draft(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, *, num_other_tokens: int,
+              num_other_seqs: int) -> list[Proposal]:
+        """Drafts for the step's asks, those of adaptive configs cut to the k chosen for each.
 
         Args:
-            asks: (request, k cap) pairs, k cap >= 1 (max_tokens, context end, budget and the batch-size
-                table applied).
-            proposer_of: the proposer of a SpeculativeConfig.
-            other_tokens: new tokens of the rest of the step (other decodes with their drafts, prefill chunks).
-            other_seqs: sequences in the rest of the step.
+            asks: (request, k cap) pairs, k cap >= 1 (the scheduler's caps applied).
+            propose: the engine's drafting callback (`Scheduler.schedule`'s `propose`).
+            num_other_tokens: new tokens of the rest of the step (decodes without drafts, prefill chunks).
+            num_other_seqs: sequences in the rest of the step.
 
         Returns:
-            one Proposal per ask, in order, with 0..cap drafts (0: a plain decode this step).
+            one Proposal per ask, in order; an adaptive one with 0..cap drafts (0: a plain decode this step).
         """
+        out: list[Proposal] = [Proposal([])] * len(asks)
+        fixed = [i for i, (r, _) in enumerate(asks) if not r.spec_config.adaptive]
+        if fixed:  # configured k: drafted as they are; they are part of the step the others wait for
+            for i, p in zip(fixed, propose([asks[i] for i in fixed])):
+                out[i] = p
+                num_other_tokens += 1 + min(len(p.token_ids), asks[i][1])
+                num_other_seqs += 1
+        idx = [i for i, (r, _) in enumerate(asks) if r.spec_config.adaptive]
+        if idx:
+            for i, p in zip(idx, self._adaptive([asks[i] for i in idx], propose, num_other_tokens, num_other_seqs)):
+                out[i] = p
+        return out
+
+    def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
+                  other_seqs: int) -> list[Proposal]:
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         for i, (r, _cap) in enumerate(asks):
-            prop = proposer_of(r.spec_config)
+            prop = self.proposer_of(r.spec_config)
             (costly if hasattr(prop, "draft_step_cost") else free)[proposer_key(r.spec_config)].append(i)
         skip = self._hopeless(asks, free, other_tokens, other_seqs)
         full: dict[int, Proposal] = {i: Proposal([]) for i in skip}
@@ -87,14 +110,13 @@ class AdaptiveDrafts:
             idx = [i for i in all_idx if i not in skip]
             if not idx:
                 continue
-            prop = proposer_of(asks[idx[0]][0].spec_config)
             t0 = time.perf_counter()
-            props = prop.propose([_input(*asks[i]) for i in idx])
+            props = propose([asks[i] for i in idx])
             ms = 1000 * (time.perf_counter() - t0) / len(idx)
             self.propose_ms[key] = ms if key not in self.propose_ms else 0.9 * self.propose_ms[key] + 0.1 * ms
             for i, p in zip(idx, props):
                 r, cap = asks[i]
-                p.token_ids = list(p.token_ids[:cap])
+                p = Proposal(list(p.token_ids[:cap]), p.draft_probs, p.match_len, p.confidence)
                 full[i] = p
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), p.token_ids, p.match_len, p.confidence)
         chosen, options = [], []
@@ -106,7 +128,7 @@ class AdaptiveDrafts:
             else:
                 other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
         for key, idx in costly.items():
-            cost = proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
+            cost = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
             for i in idx:
                 r, cap = asks[i]
                 chosen.append(i)
@@ -128,12 +150,9 @@ class AdaptiveDrafts:
             else:
                 out.append(Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
                                     p.match_len, p.confidence[:k] if p.confidence else None))
-        for key, idx in costly.items():
-            todo = [i for i in idx if ks.get(i, 0) > 0]
-            if not todo:
-                continue
-            prop = proposer_of(asks[todo[0]][0].spec_config)
-            for i, p in zip(todo, prop.propose([_input(asks[i][0], ks[i]) for i in todo])):
+        todo = [i for idx in costly.values() for i in idx if ks.get(i, 0) > 0]
+        if todo:  # a draft model drafts exactly the chosen k
+            for i, p in zip(todo, propose([(asks[i][0], ks[i]) for i in todo])):
                 r = asks[i][0]
                 drafts = list(p.token_ids[: ks[i]])
                 out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
@@ -167,9 +186,16 @@ class AdaptiveDrafts:
                 self._skipped[rid] = 0
         return out
 
-    def on_commit(self, req: Request) -> None:
-        """The request committed tokens: resolve its pending drafts."""
-        self.tracker.on_commit(req.request_id, req.all_token_ids)
+    def choose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[int]:
+        """The configured k (an adaptive config's is its maximum: `draft` chooses within it)."""
+        return super().choose(requests, max_draft_tokens)
+
+    def observe(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """A decode step of `request` committed: resolve its pending drafts against the committed tokens
+        (drafts cut to a smaller k, or not verified at all, are resolved too: their counterfactual
+        outcome is what the committed tokens say)."""
+        if request.spec_config is not None and request.spec_config.adaptive:
+            self.tracker.on_commit(request.request_id, request.all_token_ids)
 
     def finish_request(self, req: Request) -> None:
         """The request left the engine."""
@@ -177,5 +203,3 @@ class AdaptiveDrafts:
         self._skipped.pop(req.request_id, None)
 
 
-def _input(r: Request, k: int) -> ProposalInput:
-    return ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.generator)

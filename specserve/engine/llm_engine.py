@@ -1,7 +1,9 @@
 """The engine: requests in, tokens out, one step at a time.
 
-A step is: schedule -> propose drafts -> one target forward -> sample and verify -> commit (stop checks
-per token) and roll back the rejected KV. Speculation is a per-request choice (each request carries its
+A step is: schedule (the scheduler decides the batch and each request's k cap, the proposers draft, the
+scheduler fixes the `StepPlan`) -> one target forward over the plan -> batched verification with one
+device-to-host copy -> commit per request (stop checks per token) and roll back the rejected KV
+(docs/step-plan.md). Speculation is a per-request choice (each request carries its
 own `SpeculativeConfig` or None), so one engine over one copy of the target serves any mix of methods
 and k in one batch. Not thread-safe: a server drives it from one thread (`specserve.server`).
 """
@@ -15,23 +17,23 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch
 from jinja2 import TemplateError
 
 from specserve.config import EngineConfig, SpeculativeConfig
-from specserve.engine.draft_length import AdaptiveDrafts
+from specserve.engine.draft_length import AdaptiveK
 from specserve.engine.loaded_model import LoadedModel
-from specserve.engine.model_runner import SeqInput
-from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_cost import StepCostModel, load_or_measure
+from specserve.engine.step_plan import ScheduledRequest, StepPlan
 from specserve.engine.stop import commit_tokens, visible_text_len
 from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, as_prompt
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.request import Request, RequestStatus
-from specserve.sample.sampler import needs_processing, sample_request
+from specserve.sample.batch import SamplingBatch
+from specserve.sample.verifier import VerifyResult, to_host, verify
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode import make_proposer, proposer_key
-from specserve.spec_decode.proposer import ProposalInput, Proposer, ProposerContext
+from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class LLMEngine:
         )
         self._seed_stream = random.Random(config.seed)
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
-        self.adaptive: AdaptiveDrafts | None = None  # built with the step cost for the first adaptive config
+        self.adaptive: AdaptiveK | None = None  # the scheduler's k policy from the first adaptive config on
         if config.speculative_config is not None:
             self.prepare_speculative_config(config.speculative_config)
 
@@ -184,7 +186,8 @@ class LLMEngine:
                                  max_seqs=min(self.config.max_num_seqs, 16),
                                  refresh=refresh or self.config.refresh_step_cost)
             if self.adaptive is None:
-                self.adaptive = AdaptiveDrafts(cm)
+                self.adaptive = AdaptiveK(cm, lambda cfg: self._proposers[proposer_key(cfg)])
+                self.scheduler.k_policy = self.adaptive  # it gives other configs their configured k
             else:
                 self.adaptive.step_cost = cm
         return self.adaptive.step_cost
@@ -262,7 +265,7 @@ class LLMEngine:
         if spec_config is not None:
             self.prepare_speculative_config(spec_config)
         seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
-        req = Request(request_id, ids, params, spec_config, random.Random(seed))
+        req = Request(request_id, ids, params, spec_config, seed)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req
@@ -313,115 +316,93 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that advanced or finished."""
+        """Run one step (docs/step-plan.md): plan (with drafting) -> one forward -> batched verify ->
+        per-request commit and KV rollback. Returns an output for every request that advanced or finished."""
         t_step = time.perf_counter()
         outputs = [self._make_output(r) for r in self._aborted]
         self._aborted.clear()
-        decodes = self.scheduler.schedule_decodes()
-        adaptive = [s for s in decodes if s.request.spec_config is not None and s.request.spec_config.adaptive]
-        self._propose([s for s in decodes if s.num_speculative_tokens > 0
-                       and not (s.request.spec_config is not None and s.request.spec_config.adaptive)])
-        if adaptive:
-            rest = [s for s in decodes if not (s.request.spec_config is not None and s.request.spec_config.adaptive)]
-            asks = [s for s in adaptive if s.num_speculative_tokens > 0]
-            prefill_tokens, prefill_seqs = self.scheduler.estimate_prefill(
-                self.scheduler.budget - sum(s.num_new_tokens for s in rest) - len(adaptive))
-            props = self.adaptive.propose(
-                [(s.request, s.num_speculative_tokens) for s in asks], lambda cfg: self._proposers[proposer_key(cfg)],
-                other_tokens=sum(s.num_new_tokens for s in rest) + len(adaptive) - len(asks) + prefill_tokens,
-                other_seqs=len(rest) + len(adaptive) - len(asks) + prefill_seqs)
-            for s, p in zip(asks, props):
-                s.request.drafts, s.request.draft_probs = list(p.token_ids), p.draft_probs
-        used = sum(s.num_new_tokens for s in decodes)
-        scheduled = decodes + self.scheduler.schedule_prefills(self.scheduler.budget - used)
-        if not scheduled:
+        plan = self.scheduler.schedule(self._propose)
+        if not plan:
             return outputs
         now = time.monotonic()
-        for s in scheduled:
+        for s in plan.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         try:
             t_fwd = time.perf_counter()
-            logits = self.target.runner.forward([self._seq_input(s) for s in scheduled])
+            logits = self.target.runner.execute(plan.model_input(self.device))
             t_fwd = time.perf_counter() - t_fwd
+            result = None
+            if plan.sampled:
+                batch = SamplingBatch.build(plan.sampled, self.target.config.vocab_size, self.eos_token_ids, self.device)
+                result = to_host(verify(logits, batch), batch)
         except Exception:
-            for s in scheduled:  # leave every request as it was before the step
-                r = s.request
-                self.target.kv.truncate(r.slot, min(r.num_computed_tokens, self.target.kv.lengths[r.slot]))
-                r.drafts, r.draft_probs = [], None
+            kv = self.target.kv
+            for s in plan.scheduled:  # leave every request as it was before the step
+                kv.truncate(s.request.slot, min(s.start, kv.lengths[s.request.slot]))
             raise
-        outputs += self._verify_and_commit(scheduled, logits)
+        outputs += self._commit(plan, result)
         if self.adaptive is not None:
             self.adaptive.step_cost.observe_overhead(1000 * (time.perf_counter() - t_step - t_fwd))
         return outputs
 
-    def _propose(self, scheduled: list[ScheduledRequest]) -> None:
-        by_proposer: dict[Any, list[ScheduledRequest]] = {}
-        for s in scheduled:
-            by_proposer.setdefault(proposer_key(s.request.spec_config), []).append(s)
-        for key, group in by_proposer.items():
-            inputs = [
-                ProposalInput(s.request.request_id, s.request.all_token_ids, s.request.num_prompt_tokens,
-                              s.num_speculative_tokens, s.request.params, s.request.generator)
-                for s in group
-            ]
-            for s, prop in zip(group, self._proposers[key].propose(inputs)):
-                s.request.drafts = list(prop.token_ids[: s.num_speculative_tokens])
-                s.request.draft_probs = prop.draft_probs[: len(s.request.drafts)] if prop.draft_probs is not None else None
+    def _propose(self, asks: Sequence[tuple[Request, int]]) -> list[Proposal]:
+        """The scheduler's `propose` callback: one Proposal per (request, k cap), grouped by proposer."""
+        groups: dict[Any, list[int]] = {}
+        for i, (r, _) in enumerate(asks):
+            groups.setdefault(proposer_key(r.spec_config), []).append(i)
+        out: list[Proposal] = [Proposal([])] * len(asks)
+        for key, idx in groups.items():
+            inputs = [ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.seed)
+                      for r, k in (asks[i] for i in idx)]
+            props = self._proposers[key].propose(inputs)
+            if len(props) != len(inputs):
+                raise RuntimeError(f"proposer {key[0]!r} returned {len(props)} proposals for {len(inputs)} requests")
+            for i, prop in zip(idx, props):
+                out[i] = prop
+        return out
 
-    @staticmethod
-    def _seq_input(s: ScheduledRequest) -> SeqInput:
-        r = s.request
-        if s.is_prefill:
-            start = r.num_computed_tokens
-            return SeqInput(r.slot, start, r.all_token_ids[start : start + s.num_prefill_tokens], int(s.samples))
-        return SeqInput(r.slot, r.num_computed_tokens, [r.all_token_ids[-1]] + r.drafts, 1 + len(r.drafts))
-
-    def _verify_and_commit(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
-        rows_per = [(1 + len(s.request.drafts)) if not s.is_prefill else int(s.samples) for s in scheduled]
-        fast = any(s.request.params.greedy and not needs_processing(s.request.params, s.request.num_output_tokens)
-                   for s in scheduled)
-        argmax_all = logits.argmax(-1).tolist() if fast else None
-        outputs, row = [], 0
-        stop_ids_cache: dict[int, list[int]] = {}
-        for s, n_rows in zip(scheduled, rows_per):
+    def _commit(self, plan: StepPlan, result: VerifyResult | None) -> list[RequestOutput]:
+        """Per request, on the CPU: advance prefills; commit verified tokens with every per-token stop
+        check; count speculation; truncate the KV cache to what was committed (the rollback)."""
+        outputs, b = [], 0
+        for s in plan.scheduled:
             r = s.request
             if s.is_prefill:
-                r.num_computed_tokens += s.num_prefill_tokens
-            if n_rows == 0:
+                r.num_computed_tokens += s.num_new_tokens
+            if not s.num_rows:
                 continue
-            p = r.params
-            stop_ids = stop_ids_cache.setdefault(id(p), ([] if p.ignore_eos else list(self.eos_token_ids)) + p.stop_token_ids)
+            i, b = b, b + 1
             try:
-                res = sample_request(
-                    logits[row : row + n_rows], p, r.prompt_token_ids, r.output_token_ids, r.drafts, r.draft_probs,
-                    stop_ids, r.generator, argmax_all[row : row + n_rows] if argmax_all is not None else None,
-                )
-                outputs.append(self._commit(r, res, s.is_prefill))
+                if result.failed[i]:
+                    raise ValueError("cannot sample from an all-zero distribution (NaN or no mass left in the "
+                                     "target's probabilities)")
+                tokens, a, lps = result.committed(i, s.row_offset, r.params.logprobs)
+                outputs.append(self._commit_request(s, tokens, a, lps))
             except Exception as e:  # one request's failure must not take the batch (or the server) down
-                logger.exception("request %s failed while sampling; finishing it with finish_reason 'error'", r.request_id)
+                logger.exception("request %s failed in verification or commit; finishing it with finish_reason "
+                                 "'error'", r.request_id)
                 r.finish_reason, r.stop_reason = "error", f"{type(e).__name__}: {e}"
                 self._finish(r)
                 outputs.append(self._make_output(r))
-            row += n_rows
         return outputs
 
-    def _commit(self, r: Request, res, was_prefill: bool) -> RequestOutput:
-        n = commit_tokens(r, res.token_ids, res.logprobs, self.tokenizer, self.eos_token_ids, self.max_model_len)
+    def _commit_request(self, s: ScheduledRequest, tokens: list[int], num_accepted: int,
+                        logprobs: list | None) -> RequestOutput:
+        r = s.request
+        n = commit_tokens(r, tokens, logprobs, self.tokenizer, self.eos_token_ids, self.max_model_len)
         if r.first_token_time is None:
             r.first_token_time = time.monotonic()
-        if not was_prefill:
-            accepted = min(res.num_accepted, n)  # drafts after a stop are not committed
-            if r.drafts:
+        if not s.is_prefill:
+            if s.num_drafts:
                 # Stats (docs/speculation-cases.md B10): a step's last emitted token is its own (recovered/bonus) token, also
                 # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
                 # the tokens emitted per verify step.
-                self._count_spec(r, len(r.drafts), min(res.num_accepted, n - 1), n)
-            r.num_computed_tokens += 1 + accepted
+                self._count_spec(r, s.num_drafts, min(num_accepted, n - 1), n)
+            r.num_computed_tokens += 1 + min(num_accepted, n)  # drafts after a stop are not committed
             self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
-        r.drafts, r.draft_probs = [], None
-        if r.spec_config is not None and r.spec_config.adaptive:
-            self.adaptive.on_commit(r)
+            if r.spec_config is not None:  # every decode step, also one without drafts (k = 0)
+                self.scheduler.k_policy.observe(r, s.num_drafts, num_accepted)
         if r.finish_reason is not None:
             self._finish(r)
         return self._make_output(r)

@@ -1,55 +1,44 @@
-"""Continuous-batching scheduler: which requests run in the next step, and how many tokens each feeds.
+"""Continuous-batching scheduler: one call per step returns the step's `StepPlan` (docs/step-plan.md).
 
-What it does, in two phases per step: (1) every decoding request gets its newest token, then an
-allowance of up to k drafts from the remaining token budget (k capped so that the step can pass
-neither max_tokens nor the context length); (2) after the proposers have drafted, prompts are
-prefilled in chunks with what the decodes really used, continuing partial prefills first and then
-admitting waiting requests while KV slots are free. Requests join and leave between steps.
-What it does not do: propose drafts, run the model, or commit tokens (the engine does).
+What it does, in `schedule(propose)`: (1) every decoding request gets its newest token; (2) each gets
+a k cap, decided in one place (`speculation_caps`: the `k_policy` hook says what it wants, then
+max_tokens, the context length and the token budget cap it, FCFS); (3) the proposers draft within those
+caps (the `propose` callback the engine passes; a policy that decides k from the drafts themselves,
+such as the adaptive schedule, drafts through it and cuts the drafts, never above the caps); (4) prompts are prefilled in chunks with the budget the
+decodes and their real drafts left, continuing partial prefills first, then admitting waiting requests
+while KV slots are free; (5) the plan is fixed. Requests join and leave between steps.
+What it does not do: draft (the callback does), run the model, or commit tokens (the engine does).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import Callable, Sequence
 
+from specserve.engine.k_policy import ConfiguredK, KPolicy
 from specserve.engine.kv_cache import KVCache
+from specserve.engine.step_plan import ScheduledRequest, StepPlan
 from specserve.request import Request, RequestStatus
+from specserve.spec_decode.proposer import Proposal
 
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Attributes:
-        request: the request.
-        is_prefill: feeding prompt tokens (a chunk) rather than decoding.
-        num_prefill_tokens: prompt tokens fed this step (prefill only).
-        num_speculative_tokens: most drafts the proposer may add (decode only; 0 = plain decode).
-        samples: this step produces a token for the request (decode, or a prompt's last chunk).
-    """
-
-    request: Request
-    is_prefill: bool
-    num_prefill_tokens: int = 0
-    num_speculative_tokens: int = 0
-    samples: bool = True
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens fed to the model for this request this step (drafts count once proposed)."""
-        if self.is_prefill:
-            return self.num_prefill_tokens
-        return 1 + len(self.request.drafts)
+ProposeFn = Callable[[Sequence[tuple[Request, int]]], Sequence[Proposal]]
+"""propose([(request, k), ...]) -> one Proposal per pair, in order, each with at most k drafts."""
 
 
 class Scheduler:
-    """FCFS continuous batching under a per-step token budget and a slot limit."""
+    """FCFS continuous batching under a per-step token budget and a slot limit.
 
-    def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_model_len: int):
+    Attributes:
+        budget: tokens per step (`max_num_batched_tokens`).
+        k_policy: the `KPolicy` that says how many drafts each decoding request wants (default
+            `ConfiguredK`); replace it to choose k per request per step.
+    """
+
+    def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_model_len: int, k_policy: KPolicy | None = None):
         self.kv = kv
         self.budget = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.k_policy: KPolicy = k_policy or ConfiguredK()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -85,29 +74,65 @@ class Scheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def num_speculative_tokens_for(self, req: Request, batch_size: int) -> int:
-        """The k cap for one decoding request (docs/speculation-cases.md B07, B08): the step commits at most
-        k + 1 tokens, so k + 1 <= tokens left under max_tokens and under the context length."""
-        if req.spec_config is None:
-            return 0
-        k = req.spec_config.k_for_batch_size(batch_size)
-        if req.params.max_tokens is not None:
-            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
-        k = min(k, self.max_model_len - len(req.all_token_ids) - 1)
-        return max(k, 0)
+    # ---- one step ---------------------------------------------------------------------------------
 
-    def schedule_decodes(self) -> list[ScheduledRequest]:
-        """Phase 1 of a step: every decoding request gets its 1 token, then draft allowances (k caps)
-        from what is left of the budget, in FCFS order. The engine charges the drafts really proposed
-        when it calls `schedule_prefills`."""
-        decoding = [r for r in self.running if not r.in_prefill]
-        out = [ScheduledRequest(r, is_prefill=False) for r in decoding[: self.budget]]
-        budget = self.budget - len(out)
-        for s in out:
-            # batch size as vLLM's table means it: the requests in the step (here: every running one)
-            s.num_speculative_tokens = min(self.num_speculative_tokens_for(s.request, len(self.running)), budget)
-            budget -= s.num_speculative_tokens
-        return out
+    def schedule(self, propose: ProposeFn | None = None) -> StepPlan:
+        """Plan the next step (see the module docstring); an empty plan when nothing can run.
+
+        Args:
+            propose: drafts for the (request, k cap) pairs with k > 0; None = no speculation this step.
+
+        Raises:
+            RuntimeError: `propose` returned the wrong number of proposals.
+        """
+        decoding = [r for r in self.running if not r.in_prefill][: self.budget]
+        caps = self.speculation_caps(decoding)
+        asks = [(r, k) for r, k in zip(decoding, caps) if k > 0]
+        proposals = self._draft(asks, propose, len(decoding)) if asks and propose is not None else []
+        if asks and propose is not None and len(proposals) != len(asks):
+            raise RuntimeError(f"propose returned {len(proposals)} proposals for {len(asks)} requests")
+        by_req = {id(r): (k, p) for (r, k), p in zip(asks, proposals)}
+        scheduled = []
+        for r in decoding:
+            drafts, q = [], None
+            if id(r) in by_req:
+                k, p = by_req[id(r)]
+                drafts = list(p.token_ids[:k])
+                q = p.draft_probs[: len(drafts)] if p.draft_probs is not None else None
+            scheduled.append(ScheduledRequest.decode(r, drafts, q))
+        scheduled += self.schedule_prefills(self.budget - sum(s.num_new_tokens for s in scheduled))
+        return StepPlan.build(scheduled)
+
+    def speculation_caps(self, decoding: Sequence[Request]) -> list[int]:
+        """The k cap of each decoding request this step, computed here and only here.
+
+        What `k_policy` wants, capped (docs/speculation-cases.md B07, B08) so that the step commits at
+        most k + 1 tokens within max_tokens and the context length, and by the token budget left after
+        one token per decoding request, in FCFS order. A request without a speculative config gets 0.
+        """
+        budget = self.budget - len(decoding)
+        wanted = self.k_policy.choose(decoding, budget)
+        caps = []
+        for r, k in zip(decoding, wanted):
+            if r.spec_config is None:
+                k = 0
+            if r.params.max_tokens is not None:
+                k = min(k, r.params.max_tokens - r.num_output_tokens - 1)
+            k = max(min(k, self.max_model_len - len(r.all_token_ids) - 1, budget), 0)
+            budget -= k
+            caps.append(k)
+        return caps
+
+    def _draft(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, num_decoding: int) -> list[Proposal]:
+        """Drafts for the capped asks: `propose(asks)`, or, when the policy decides k from the drafts
+        themselves (a `DraftingKPolicy`, e.g. the adaptive schedule), the policy's `draft`, told what
+        else the step holds (the decodes without drafts and the prompt chunks that would follow)."""
+        draft = getattr(self.k_policy, "draft", None)
+        if draft is None:
+            return list(propose(asks))
+        tokens, seqs = self.estimate_prefill(self.budget - num_decoding)
+        rest = num_decoding - len(asks)
+        return list(draft(asks, propose, num_other_tokens=rest + tokens, num_other_seqs=rest + seqs))
 
     def estimate_prefill(self, budget: int) -> tuple[int, int]:
         """(tokens, sequences) that `schedule_prefills(budget)` would schedule now, without changing
@@ -121,26 +146,22 @@ class Scheduler:
                 if free <= 0:
                     break
                 free -= 1
-            n = min(len(req.prompt_token_ids) - req.num_computed_tokens, budget)
+            n = min(req.num_prompt_tokens - req.num_computed_tokens, budget)
             tokens, seqs, budget = tokens + n, seqs + 1, budget - n
         return tokens, seqs
 
     def schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
-        """Phase 2: prompt chunks within `budget` tokens (what the decodes really left after drafting),
-        continuing partial prefills first, then admitting waiting requests while KV slots are free."""
+        """Prompt chunks within `budget` tokens, continuing partial prefills first, then admitting
+        waiting requests while KV slots are free."""
         out: list[ScheduledRequest] = []
         for req in [r for r in self.running if r.in_prefill]:
             if budget < 1:
                 return out
-            budget -= self._prefill(req, budget, out)
+            out.append(ScheduledRequest.prefill(req, min(req.num_prompt_tokens - req.num_computed_tokens, budget)))
+            budget -= out[-1].num_new_tokens
         while self.waiting and budget > 0 and self.kv.num_free_slots > 0:
             req = self.waiting[0]
             self.admit(req)
-            budget -= self._prefill(req, budget, out)
+            out.append(ScheduledRequest.prefill(req, min(req.num_prompt_tokens, budget)))
+            budget -= out[-1].num_new_tokens
         return out
-
-    def _prefill(self, req: Request, budget: int, out: list[ScheduledRequest]) -> int:
-        n = min(req.num_prompt_tokens - req.num_computed_tokens, budget)
-        last = req.num_computed_tokens + n == req.num_prompt_tokens
-        out.append(ScheduledRequest(req, is_prefill=True, num_prefill_tokens=n, samples=last))
-        return n

@@ -12,17 +12,20 @@ rows for a verify block of n drafts):
 
 What it does not do: stop handling (the engine commits the returned tokens one by one and stops at
 the first EOS / stop / length condition).
+
+This is the readable per-request REFERENCE. The engine runs the batched verifier
+(`specserve.sample.verifier`), which is tested to give exactly these tokens (tests/unit/test_verifier.py).
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
 
 from specserve.outputs import TokenLogprob
 from specserve.sample.rejection import greedy_verify, rejection_sample, sample_and_match
+from specserve.sample.uniforms import uniform as counter_uniform
 from specserve.sampling_params import SamplingParams
 
 
@@ -96,18 +99,24 @@ def process_logits(
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, then softmax. logits [R, V] -> probs [R, V] (float32)."""
+    """Temperature, top-k, top-p and min-p, then softmax. logits [R, V] -> probs [R, V] (float32).
+
+    top-p (nucleus, Holtzman et al. 2020) keeps the most likely tokens until the mass before the next
+    one reaches top_p: over the probabilities p sorted in descending order, position i is kept while
+    cumsum(p)_i - p_i < top_p, and every token at least as likely as the last kept one is kept (so a
+    tie at the cut does not depend on how a sort orders equal values).
+    """
     x = logits / params.temperature
     V = x.shape[-1]
     if params.top_k and 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(x, params.top_k).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= params.top_p  # mass before this token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
+        p = torch.softmax(x, dim=-1)
+        s = torch.sort(p, dim=-1, descending=True).values
+        kept = (torch.cumsum(s, dim=-1) - s) < params.top_p  # the mass before each sorted position
+        n_keep = torch.cumprod(kept, dim=-1).sum(-1, keepdim=True)  # positions before the first cut (>= 1)
+        x = x.masked_fill(p < s.gather(-1, n_keep - 1), float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.min_p > 0.0:
         cut = probs.max(dim=-1, keepdim=True).values * params.min_p
@@ -135,28 +144,31 @@ def sample_request(
     drafts: list[int],
     draft_probs: torch.Tensor | None,
     stop_ids: list[int],
-    rng: random.Random,
-    argmax: list[int] | None = None,
+    key: int,
 ) -> SampleResult:
     """Verify `drafts` (possibly none) against the target rows of one request.
 
     Args:
         logits: [len(drafts) + 1, V] raw target logits.
         draft_probs: [len(drafts), V] q for sampled drafts, or None (one-hot).
-        rng: the request's own random stream.
-        argmax: precomputed argmax of the raw rows, usable when no processor applies (a batch fast path).
+        key: the request's stream key (`specserve.sample.uniforms.seed_key(seed)`); row j's uniforms are
+            u(key, len(output_ids) + j, purpose).
 
     Returns:
         SampleResult.
     """
     processed = needs_processing(params, len(output_ids))
     x = process_logits(logits, params, prompt_ids, output_ids, drafts, stop_ids) if processed else logits
+    base = len(output_ids)
+
+    def uniform(j: int, purpose: int) -> float:
+        return counter_uniform(key, base + j, purpose)
+
     if params.greedy:
-        target_argmax = argmax if (argmax is not None and not processed) else x.argmax(-1).tolist()
-        tokens, a = greedy_verify(drafts, target_argmax)
+        tokens, a = greedy_verify(drafts, x.argmax(-1).tolist())
     elif draft_probs is None:  # one-hot drafts: the committed tokens do not depend on the drafts
-        tokens, a = sample_and_match(drafts, logits_to_probs(x, params), rng.random)
+        tokens, a = sample_and_match(drafts, logits_to_probs(x, params), uniform)
     else:
-        tokens, a = rejection_sample(drafts, logits_to_probs(x, params), draft_probs, rng.random)
+        tokens, a = rejection_sample(drafts, logits_to_probs(x, params), draft_probs, uniform)
     lps = make_logprobs(logits, tokens, params.logprobs) if params.logprobs is not None else None
     return SampleResult(tokens, a, lps)

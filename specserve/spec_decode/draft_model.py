@@ -5,7 +5,8 @@ the longest common prefix of what it has cached and the request's committed toke
 `KVCache.truncate` primitive the target uses), feeds the tokens it has not seen in one batched forward,
 then drafts k tokens autoregressively, batched over requests. Greedy requests get the draft's argmax
 (one-hot q); sampled requests get a sample from the draft's own distribution under the request's
-temperature/top-k/top-p/min-p, and that q is returned for the rejection sampler (Leviathan et al. 2023).
+temperature/top-k/top-p/min-p, drawn with the request's uniform u(seed, output position, DRAFT)
+(`specserve.sample.uniforms`), and that q is returned for the rejection sampler (Leviathan et al. 2023).
 A request whose context does not fit the draft's shorter context gets fewer (or no) drafts.
 What it does not do: verification, or any change to the request.
 """
@@ -22,6 +23,7 @@ from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
 from specserve.sample.sampler import logits_to_probs
+from specserve.sample.uniforms import Purpose, seed_key, uniform
 from specserve.spec_decode.proposer import Proposal, ProposalInput, ProposerContext
 
 logger = logging.getLogger(__name__)
@@ -126,7 +128,8 @@ class DraftModelProposer:
                     tok = gi[i]
                 else:
                     q = logits_to_probs(logits[i : i + 1], inp.sampling_params)[0]
-                    tok = sample_from(q, inp.rng.random())
+                    pos = len(inp.token_ids) - inp.num_prompt_tokens + step  # the drafted token's output position
+                    tok = sample_from(q, uniform(seed_key(inp.seed), pos, Purpose.DRAFT))
                     qs[inp.request_id].append(q)
                 drafts[inp.request_id].append(tok)
                 if step + 1 < k:

@@ -8,7 +8,6 @@ KV cache) is keyed by request id and dropped in `finish_request`.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -56,8 +55,9 @@ class ProposalInput:
         num_speculative_tokens: k, the most drafts to return (>= 1), already capped so that the step cannot pass max_tokens or
             the context length.
         sampling_params: the request's sampling parameters (a draft model samples with them).
-        rng: the request's own random stream; a sampling draft model draws from it so that seeded
-            requests stay reproducible. Deterministic proposers ignore it.
+        seed: the request's sampling seed; a sampling draft model draws its draft at output position m
+            with `uniform(seed_key(seed), m, Purpose.DRAFT)` (`specserve.sample.uniforms`), so that
+            seeded requests stay reproducible. Deterministic proposers ignore it.
     """
 
     request_id: str
@@ -65,7 +65,7 @@ class ProposalInput:
     num_prompt_tokens: int
     num_speculative_tokens: int
     sampling_params: SamplingParams
-    rng: random.Random | None = None
+    seed: int = 0
 
 
 @dataclass

@@ -4,6 +4,7 @@ dynamic speculative decoding lookup) and the schedule names; the scheduler appli
 import pytest
 
 from specserve.config import ConfigError, SpeculativeConfig
+from specserve.spec_decode.proposer import Proposal
 from tests.unit.test_scheduler import decode_ready, make, req
 
 
@@ -55,16 +56,19 @@ def test_schedule_names():
             SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule=bad)
 
 
-def test_scheduler_applies_the_table_by_running_batch_size():
+def test_scheduler_applies_the_table_by_decoding_batch_size():
     sched, _ = make(budget=64, slots=3)
     cfg = table([[1, 1, 4], [2, 3, 1]])
     rs = [req(f"r{i}", 5, cfg) for i in range(3)]
     sched.add(rs[0])
     sched.admit(rs[0])
     decode_ready(rs[0])
-    assert [s.num_speculative_tokens for s in sched.schedule_decodes()] == [4]
+    assert sched.speculation_caps([rs[0]]) == [4]
     for r in rs[1:]:
         sched.add(r)
         sched.admit(r)
         decode_ready(r)
-    assert [s.num_speculative_tokens for s in sched.schedule_decodes()] == [1, 1, 1]
+    assert sched.speculation_caps(rs) == [1, 1, 1]
+    asked = []
+    plan = sched.schedule(lambda asks: asked.extend(k for _, k in asks) or [Proposal([5] * k) for _, k in asks])
+    assert asked == [1, 1, 1] and [s.num_drafts for s in plan.scheduled] == [1, 1, 1]

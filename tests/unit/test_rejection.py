@@ -32,14 +32,18 @@ def test_sample_from_never_picks_zero_mass():
 
 def test_disjoint_support_accepts_nothing_and_identical_accepts_all():
     rng = random.Random(0)
+
+    def u(j, purpose):
+        return rng.random()
+
     p = torch.tensor([[0.0, 0.0, 0.5, 0.5]] * 4)
     q = torch.tensor([[0.5, 0.5, 0.0, 0.0]] * 3)
     for _ in range(200):
-        toks, a = rejection_sample([0, 1, 0], p, q, rng.random)
+        toks, a = rejection_sample([0, 1, 0], p, q, u)
         assert a == 0 and toks[0] in (2, 3)
     for _ in range(200):
-        toks, a = rejection_sample([2, 3, 2], p, p[:3], rng.random)
+        toks, a = rejection_sample([2, 3, 2], p, p[:3], u)
         assert a == 3 and len(toks) == 4
     # one-hot drafts (ngram): a token with zero target mass is always rejected
-    toks, a = rejection_sample([0], p[:2], None, rng.random)
+    toks, a = rejection_sample([0], p[:2], None, u)
     assert a == 0 and toks[0] in (2, 3)

@@ -1,7 +1,5 @@
 """Scheduler budget, draft caps (docs/speculation-cases.md B07/B08) and chunked prefill, without a model."""
 
-import random
-
 import torch
 
 from specserve.config import SpeculativeConfig
@@ -17,7 +15,7 @@ def make(budget=16, slots=2, max_len=64):
 
 
 def req(rid, n_prompt, spec=None, max_tokens=32):
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), spec, random.Random(0))
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), spec, 0)
 
 
 def decode_ready(r, n_out=1):
@@ -32,13 +30,13 @@ def test_chunked_prefill_under_budget_and_slots():
     for r in (a, b, c):
         sched.add(r)
     out = sched.schedule_prefills(sched.budget)
-    assert [(s.request.request_id, s.num_prefill_tokens, s.samples) for s in out] == [("a", 16, False)]
+    assert [(s.request.request_id, s.num_new_tokens, s.num_rows) for s in out] == [("a", 16, 0)]
     a.num_computed_tokens += 16
     out = sched.schedule_prefills(sched.budget)
-    assert [(s.request.request_id, s.num_prefill_tokens) for s in out] == [("a", 16)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in out] == [("a", 16)]
     a.num_computed_tokens += 16
     out = sched.schedule_prefills(sched.budget)  # a's last chunk (8, samples) + b admitted (5); c waits: 2 slots
-    assert [(s.request.request_id, s.num_prefill_tokens, s.samples) for s in out] == [("a", 8, True), ("b", 5, True)]
+    assert [(s.request.request_id, s.num_new_tokens, s.num_rows) for s in out] == [("a", 8, 1), ("b", 5, 1)]
     assert kv.num_free_slots == 0 and list(sched.waiting) == [c]
 
 
@@ -51,11 +49,11 @@ def test_draft_caps_budget_max_tokens_and_context():
         sched.admit(r)
     decode_ready(a, n_out=2)  # 3 tokens left: at most 2 drafts (k + 1 <= tokens left)
     decode_ready(b, n_out=3)  # 58 of 64 positions used: k + 1 <= 64 - 58
-    out = sched.schedule_decodes()
-    assert [s.num_speculative_tokens for s in out] == [2, 5]
-    # the budget caps drafts too: 2 decodes take 2 tokens, 14 remain for drafts
+    decoding = [a, b]
+    assert sched.speculation_caps(decoding) == [2, 5]
+    # the budget caps drafts too: 2 decodes take 2 tokens, 4 remain for drafts
     sched.budget = 6
-    assert [s.num_speculative_tokens for s in sched.schedule_decodes()] == [2, 2]
+    assert sched.speculation_caps(decoding) == [2, 2]
     # no speculation: never drafts
     a.spec_config = None
-    assert sched.schedule_decodes()[0].num_speculative_tokens == 0
+    assert sched.speculation_caps(decoding)[0] == 0

@@ -101,14 +101,14 @@ def test_a_refused_request_is_a_400_naming_its_param(server, path, body, param, 
 def test_a_request_the_engine_fails_alone_is_a_500_and_the_others_go_on(server, monkeypatch, caplog, stream):
     from specserve.engine import llm_engine
 
-    real = llm_engine.sample_request
+    real = llm_engine.commit_tokens
 
-    def failing(logits, params, prompt_ids, *args):
-        if bytes(prompt_ids[:4]) == b"fail":
+    def failing(req, *args):  # the engine's per-request step after the batched verifier
+        if bytes(req.prompt_token_ids[:4]) == b"fail":
             raise RuntimeError("secret sampler detail")
-        return real(logits, params, prompt_ids, *args)
+        return real(req, *args)
 
-    monkeypatch.setattr(llm_engine, "sample_request", failing)
+    monkeypatch.setattr(llm_engine, "commit_tokens", failing)
     body = {"prompt": "fail here", "max_tokens": 4, "stream": stream}
     with caplog.at_level(logging.ERROR):
         r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=10)
