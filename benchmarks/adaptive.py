@@ -17,6 +17,13 @@ speedup of the same method.
 
     python benchmarks/adaptive.py --out docs/benchmarks                      # parts A and B
     python benchmarks/adaptive.py --out docs/benchmarks --sweep-check        # and the sweep goal
+
+On a shared machine, run it in parts (each under `/work/wt/bin/quiet-run`), then combine them:
+
+    python benchmarks/adaptive.py --out out/parts --tag A --segments chat,summarize,tool_call
+    python benchmarks/adaptive.py --out out/parts --tag code --segments code
+    python benchmarks/adaptive.py --out out/parts --tag edit --segments edit
+    python benchmarks/adaptive.py --out docs/benchmarks --combine out/parts/adaptive_cpu_{A,code,edit}.json
 """
 
 from __future__ import annotations
@@ -80,6 +87,44 @@ def summarize(rows: list[dict]) -> dict:
             "kept_of_best_static": kept, "kept_details": details, "adaptive_speedups": by_profile}
 
 
+def combine(args) -> None:
+    """One result from part files written by separate invocations (each with its own server)."""
+    from specserve.bench.sweep_select import recommend, summarize_runs
+
+    parts = [json.loads(Path(f).read_text()) for f in args.combine]
+    for f, part in zip(args.combine, parts):
+        if part.get("partial"):
+            raise SystemExit(f"{f} is partial (its run did not finish)")
+    runs = [r for part in parts for r in part["runs"]]
+    profiles_all = {k: v for part in parts for k, v in part["profiles"].items()}
+    rows = summarize_runs(runs)
+    result = {"benchmark": "adaptive", "model": parts[0]["model"], "partial": False,
+              "conditions": parts[0]["conditions"] + f"; combined from {len(parts)} parts, one server each",
+              "parts": [{"file": Path(f).name, "started": p["started"], "wall_s": p["wall_s"],
+                         "segments": sorted({r["segment"] for r in p["runs"]})} for f, p in zip(args.combine, parts)],
+              "profiles": profiles_all, "summary": summarize(rows),
+              "recommendations": recommend(rows, profiles_all, 0.02), "rows": rows, "runs": runs,
+              "wall_s": round(sum(p["wall_s"] for p in parts), 1)}
+    for p in parts:
+        if "sweep_check" in p:
+            result["sweep_check"] = p["sweep_check"]
+            result["summary"]["sweep_wall_s"] = p["summary"]["sweep_wall_s"]
+            result["summary"]["sweep_reproduces"] = p["summary"]["sweep_reproduces"]
+    out = Path(args.out or "docs/benchmarks")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"adaptive_{args.device}{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print_summary(result)
+
+
+def print_summary(result: dict) -> None:
+    s = result["summary"]
+    print(f"\nmin_segment_ratio {s['min_segment_ratio']:.3f} ({s['min_segment_ratio_at']}); kept_of_best_static "
+          + ", ".join(f"{k} {v:.3f}" for k, v in s["kept_of_best_static"].items()))
+    for p, v in s["adaptive_speedups"].items():
+        print(f"  {p}: " + ", ".join(f"{k} {x:.2f}x" for k, x in v.items()))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "rows")}))
+
+
 def run_cli_sweep(base_url: str, token: str, out: Path, args) -> tuple[dict, float]:
     cmd = [sys.executable, "-m", "specserve.cli", "sweep", "--base-url", base_url, "--admin-token", token,
            "--methods", "ngram,suffix", "--k", "2,4,6,8", "--no-adaptive", "--concurrency", "1,4",
@@ -112,7 +157,11 @@ def main() -> None:
     ap.add_argument("--tag", default=None, help="suffix for the output file name")
     ap.add_argument("--out", default=None, help="folder for adaptive_<device>.json")
     ap.add_argument("--work-dir", default="out/adaptive-bench", help="server log and sweep files")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="PART_JSON",
+                    help="measure nothing: combine the runs of part files into one result (and summary)")
     args = ap.parse_args()
+    if args.combine:
+        return combine(args)
 
     from specserve.bench import sweep
     from specserve.bench.sweep_select import recommend, summarize_runs
@@ -192,12 +241,7 @@ def main() -> None:
             write(result)
     finally:
         server.stop()
-    s = result["summary"]
-    print(f"\nmin_segment_ratio {s['min_segment_ratio']:.3f} ({s['min_segment_ratio_at']}); kept_of_best_static "
-          + ", ".join(f"{k} {v:.3f}" for k, v in s["kept_of_best_static"].items()))
-    for p, v in s["adaptive_speedups"].items():
-        print(f"  {p}: " + ", ".join(f"{k} {x:.2f}x" for k, x in v.items()))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "rows")}))
+    print_summary(result)
 
 
 if __name__ == "__main__":
