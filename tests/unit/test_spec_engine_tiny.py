@@ -219,3 +219,42 @@ def test_any_k_sequence_gives_the_same_tokens(llm, base, tiny_model_dir, random_
             ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, speculative_config=None)]
             got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, speculative_config=cfg)]
             assert got == ref, (cfg.method, seed)
+
+
+class RandomK:
+    """A KPolicy (the step plan's hook) that wants a random k per request and step, 0 included; the
+    scheduler's caps still apply after it."""
+
+    def __init__(self, seed: int):
+        import random
+
+        self.rng, self.verified = random.Random(seed), []
+
+    def choose(self, requests, max_draft_tokens):
+        return [self.rng.randint(0, 8) for _ in requests]
+
+    def observe(self, request, num_draft_tokens, num_accepted):
+        self.verified.append(num_draft_tokens)
+
+
+def test_k_policy_never_changes_committed_tokens(llm, base, tiny_model_dir, monkeypatch):
+    """On the step plan: whatever k the scheduler's k policy chooses per request and step (0 included),
+    in one batch of greedy and seeded sampled requests over ngram, suffix and a greedy draft model, the
+    greedy tokens are the target's and the seeded ones those drawn without speculation."""
+    eng = llm.engine
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in (5, 6)]
+    ref = {(p, sp.seed): o.outputs[0].token_ids for sp in sampled
+           for p, o in zip(PROMPTS, llm.generate(PROMPTS, sp, speculative_config=None))}
+    policy = RandomK(7)
+    monkeypatch.setattr(eng.scheduler, "k_policy", policy)
+    cfgs = [SpeculativeConfig("ngram", 8, prompt_lookup_min=1, prompt_lookup_max=4), SpeculativeConfig("suffix", 8),
+            SpeculativeConfig("draft_model", 8, model=str(tiny_model_dir))]
+    plan = [(p, cfg, sp) for p in PROMPTS for cfg in cfgs for sp in [SamplingParams(**GREEDY)] + sampled
+            if sp.temperature == 0 or cfg.method != "draft_model"]  # a sampling draft model: seeded per k only
+    subs = [Submission(f"rk-{i}", p, sp, cfg) for i, (p, cfg, sp) in enumerate(plan)]
+    done = {rid: st.final for rid, st in run_engine(eng, subs).items()}
+    for i, (p, cfg, sp) in enumerate(plan):
+        want = base[p].token_ids if sp.temperature == 0 else ref[(p, sp.seed)]
+        assert done[f"rk-{i}"].token_ids == want, (cfg.method, sp.seed, p)
+    assert 0 in policy.verified and len(set(policy.verified)) > 3  # k = 0 steps and several block sizes
+    assert eng.stats()["num_kv_tokens"] == 0
