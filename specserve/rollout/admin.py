@@ -4,8 +4,8 @@ Endpoints (all need `Authorization: Bearer <token>`; a missing or wrong token is
 server was started without --admin-token / SPECSERVE_ADMIN_TOKEN the admin API is off: 403):
 - GET  /admin/profiles   profiles, weights, fractions, whether reverted to baseline, version.
 - PUT  /admin/weights    body {"weights": {name: number}}: replaces all weights (missing names get 0),
-                         ends a revert to baseline. 400 for unknown names, negative numbers or an all-zero
-                         set; 409 while a staged rollout is running or paused (it owns the weights).
+                         ends a revert to baseline. 400 for unknown names or fields, a weight that is not a
+                         number in [0, 1e9], or an all-zero set; 409 while a staged rollout is running or paused (it owns the weights).
 - POST /admin/profiles   body {"name": str, "config": speculative config or null, "weight": number (default 0)}:
                          adds a profile at run time (201); its proposer is prepared on the engine first
                          (a draft model loaded, the step cost measured for an adaptive schedule). 400 for
@@ -20,6 +20,7 @@ server was started without --admin-token / SPECSERVE_ADMIN_TOKEN the admin API i
 - POST /admin/rollout/{pause,resume,promote,rollback}   by hand; 409 when no rollout is active
                          (rollback then reverts the traffic to baseline all the same).
 Changes apply to the next request; running requests keep the profile they started with.
+Every body is parsed as strictly as a generation request (`specserve.server.parsing.parse_json_body`).
 The same router serves `specserve serve` and `specserve gateway`.
 What it does not do: authentication beyond one shared token, audit storage (changes are logged and
 kept in the rollout history).
@@ -28,7 +29,6 @@ kept in the rollout history).
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -36,20 +36,23 @@ from fastapi import APIRouter, Request
 
 from specserve.config import ConfigError, SpeculativeConfig
 from specserve.hub import ModelError
+from specserve.inputs import InvalidRequestError
 from specserve.rollout.controller import RolloutConflict, RolloutController
 from specserve.rollout.plan import plan_from_dict
 from specserve.rollout.policy import ProfileExists, RolloutPolicy
-from specserve.rollout.profiles import valid_profile_name
+from specserve.rollout.profiles import MAX_WEIGHT, valid_profile_name
 from specserve.server.errors import APIError
+from specserve.server.parsing import parse_json_body
 
 logger = logging.getLogger("specserve.admin")
 
 
 async def _json_body(request: Request):
+    """The body as a JSON object, parsed as strictly as a generation request (depth, NaN, UTF-8); 400 else."""
     try:
-        return json.loads(await request.body() or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON: {e}") from None
+        return parse_json_body(await request.body(), what="admin request body")
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), code=e.code) from None
 
 
 def _conflict(e: RolloutConflict) -> APIError:
@@ -95,6 +98,10 @@ def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutCo
         body = await _json_body(request)
         if not isinstance(body, dict) or "weights" not in body:
             raise APIError(400, 'body must be {"weights": {profile: number}}', param="weights")
+        unknown = sorted(set(body) - {"weights"})
+        if unknown:
+            raise APIError(400, f"unknown field(s) {[k[:64] for k in unknown[:5]]}; the body is "
+                           '{"weights": {profile: number}}', param=unknown[0][:64])
         try:
             state = controller.set_weights(body["weights"]) if controller else policy.set_weights(body["weights"])
         except ConfigError as e:
@@ -119,8 +126,8 @@ def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutCo
         name, weight = body["name"], body.get("weight", 0.0)
         if not isinstance(name, str) or not valid_profile_name(name):
             raise APIError(400, f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -", param="name")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= float(weight) < float("inf"):
-            raise APIError(400, f"weight must be a finite number >= 0, got {weight!r}", param="weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= float(weight) <= MAX_WEIGHT:
+            raise APIError(400, f"weight must be a number in [0, {MAX_WEIGHT:g}], got {weight!r}", param="weight")
         if name in policy.profiles:
             raise APIError(409, f"profile {name!r} already exists", param="name", code="profile_exists")
         if weight and controller is not None and controller.active:
