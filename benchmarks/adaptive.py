@@ -219,10 +219,12 @@ def main() -> None:
         for i, (part_segs, profs) in enumerate(parts):
             if not part_segs:
                 continue
-            cfg = sweep.SweepConfig(segments=part_segs, **common)
-            print(f"part {'AB'[i]}: {', '.join(part_segs)} x {', '.join(profs)}", file=sys.stderr, flush=True)
-            runs += asyncio.run(sweep.sweep_server(cfg, profs, f"{i}{secrets.token_hex(2)}"))
-            checkpoint(partial=True)
+            # part B (11 profiles per segment) one segment at a time, the JSON written after each
+            for group in ([part_segs] if i == 0 else [[s] for s in part_segs]):
+                cfg = sweep.SweepConfig(segments=group, **common)
+                print(f"part {'AB'[i]}: {', '.join(group)} x {', '.join(profs)}", file=sys.stderr, flush=True)
+                runs += asyncio.run(sweep.sweep_server(cfg, profs, f"{i}{secrets.token_hex(2)}"))
+                checkpoint(partial=True)
         checkpoint(partial=bool(args.sweep_check))
         if args.sweep_check:
             first, wall1 = run_cli_sweep(base_url, token, work / "sweep1", args)
