@@ -93,18 +93,21 @@ def combine(args) -> None:
 
     parts = [json.loads(Path(f).read_text()) for f in args.combine]
     for f, part in zip(args.combine, parts):
-        if part.get("partial"):
-            raise SystemExit(f"{f} is partial (its run did not finish)")
+        if part.get("partial") and not args.allow_partial:
+            raise SystemExit(f"{f} is partial (its run did not finish; --allow-partial takes the segments it completed)")
     runs = [r for part in parts for r in part["runs"]]
     profiles_all = {k: v for part in parts for k, v in part["profiles"].items()}
     rows = summarize_runs(runs)
     result = {"benchmark": "adaptive", "model": parts[0]["model"], "partial": False,
               "conditions": parts[0]["conditions"] + f"; combined from {len(parts)} parts, one server each",
-              "parts": [{"file": Path(f).name, "started": p["started"], "wall_s": p["wall_s"],
+              "parts": [{"file": Path(f).name, "started": p["started"], "wall_s": p["wall_s"], "partial": p["partial"],
                          "segments": sorted({r["segment"] for r in p["runs"]})} for f, p in zip(args.combine, parts)],
+              "segments_measured": sorted({r["segment"] for r in runs}),
               "profiles": profiles_all, "summary": summarize(rows),
               "recommendations": recommend(rows, profiles_all, 0.02), "rows": rows, "runs": runs,
               "wall_s": round(sum(p["wall_s"] for p in parts), 1)}
+    if args.note:
+        result["note"] = args.note
     for p in parts:
         if "sweep_check" in p:
             result["sweep_check"] = p["sweep_check"]
@@ -159,6 +162,9 @@ def main() -> None:
     ap.add_argument("--work-dir", default="out/adaptive-bench", help="server log and sweep files")
     ap.add_argument("--combine", nargs="+", default=None, metavar="PART_JSON",
                     help="measure nothing: combine the runs of part files into one result (and summary)")
+    ap.add_argument("--allow-partial", action="store_true",
+                    help="with --combine: take the completed segments of a part that did not finish")
+    ap.add_argument("--note", default=None, help="with --combine: a note kept in the result (how the parts were run)")
     args = ap.parse_args()
     if args.combine:
         return combine(args)
