@@ -76,6 +76,15 @@ def add_cuda_arguments(p: argparse.ArgumentParser) -> None:
                         "bf16 too (slower; refused on the CPU)")
 
 
+def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="threads of the CPU forward, sampler and verifier (default: OMP_NUM_THREADS if set, "
+                        "else every CPU this process may run on)")
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
+                   help="CPU linear layers: auto/torch = F.linear (MKL); onednn = prepacked oneDNN weights, "
+                        "faster, but seeded sampling may then differ between a request alone and in a batch")
+
+
 # ---- generate -------------------------------------------------------------------------------------------
 
 
@@ -97,6 +106,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     add_cuda_arguments(p)
+    _add_cpu_threads(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -113,7 +123,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     spec_config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
     engine = LLMEngine(EngineConfig(model=args.model, speculative_config=spec_config, max_model_len=args.max_model_len,
                                     dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-                                    batch_invariant=args.batch_invariant))
+                                    batch_invariant=args.batch_invariant, cpu_threads=args.cpu_threads,
+                                    cpu_linear=args.cpu_linear))
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
@@ -177,6 +188,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="/health turns 503 when requests are pending and no engine step finished for this "
                         "long (0 = off)")
     add_cuda_arguments(p)
+    _add_cpu_threads(p)
     p.add_argument("--allow-profile-override", action="store_true",
                    help="let a request pick its profile (`profile` field or x-specserve-profile header); "
                         "without it such requests get 403")

@@ -258,6 +258,12 @@ class EngineConfig:
             token-identical to the baseline in bf16 too (slower matmuls; see docs/gpu-notes.md).
         refresh_step_cost: measure the target's step cost again instead of reading the cached
             measurement (the adaptive schedule needs it; `specserve.engine.step_cost`).
+        cpu_threads: threads of the CPU forward, sampler and verifier; None = OMP_NUM_THREADS if set,
+            else every CPU the process may run on (`specserve.engine.cpu_threads`). CPU device only.
+        cpu_linear: how linear layers run on the CPU: "auto" (F.linear / MKL, so that seeded sampling
+            gives the same tokens alone and in any batch), "onednn" (oneDNN with prepacked weights, faster
+            on these CPUs, but a row's result depends on the rows beside it; or an error where this torch
+            build lacks it), "torch" (F.linear / MKL).
     """
 
     model: str
@@ -271,6 +277,8 @@ class EngineConfig:
     enforce_eager: bool = False
     batch_invariant: bool = False
     refresh_step_cost: bool = False
+    cpu_threads: int | None = None
+    cpu_linear: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -282,3 +290,7 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 16")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ConfigError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")

@@ -39,12 +39,19 @@ def real_model():
 @pytest.fixture(scope="module")
 def torch_threads():
     """Run a module's models with SPECSERVE_TEST_THREADS torch threads (default 1): on a shared 2-core
-    machine a second thread mostly spins and makes the real-model tests several times slower."""
+    machine a second thread mostly spins and makes the real-model tests several times slower. Engines
+    take their thread count from OMP_NUM_THREADS (`specserve.engine.cpu_threads`), so it is set too."""
     import os
 
     import torch
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "1")))
+    n, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    threads = os.environ.get("SPECSERVE_TEST_THREADS", "1")
+    torch.set_num_threads(int(threads))
+    os.environ["OMP_NUM_THREADS"] = threads
     yield
     torch.set_num_threads(n)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env

@@ -20,6 +20,7 @@ from typing import Any
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.draft_length import AdaptiveK
+from specserve.engine.cpu_threads import resolve_cpu_threads, use_cpu_threads
 from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_cost import StepCostModel, load_or_measure
@@ -54,11 +55,13 @@ class LLMEngine:
 
     Args:
         config: EngineConfig (model, dtype, device, max_model_len, max_num_seqs, token budget, default
-            speculative config, seed).
+            speculative config, seed, CPU threads and linear backend).
         target: the target already loaded, with `config.max_num_seqs` KV slots (tests pass a model-free
             one, tests/helpers/fake_engine.py); default: load `config.model`.
 
     Attributes:
+        cpu_threads: torch threads every step runs with on the CPU (None on CUDA); see
+            `specserve.engine.cpu_threads`.
         spec_stats: speculation counters summed over every request this engine ran (running and
             finished), by method name ("ngram", "suffix", "draft_model"); the per-request ones are on
             each RequestOutput.spec_stats.
@@ -72,8 +75,12 @@ class LLMEngine:
         self.config = config
         self.target = target if target is not None else LoadedModel(
             config.model, config.dtype, config.device, config.max_model_len, config.max_num_seqs,
-            enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant,
+            enforce_eager=config.enforce_eager, batch_invariant=config.batch_invariant, cpu_linear=config.cpu_linear,
         )
+        # threads of the CPU forward / sampler / verifier, applied on whichever thread steps the engine
+        self.cpu_threads = resolve_cpu_threads(config.cpu_threads) if self.target.device.type == "cpu" else None
+        if self.cpu_threads is not None:
+            use_cpu_threads(self.cpu_threads)
         self.tokenizer = self.target.tokenizer
         self.model_name = self.target.files.name
         self.model_checksum = self.target.files.checksum
@@ -291,6 +298,8 @@ class LLMEngine:
         """Run one step (docs/step-plan.md): plan (with drafting) -> one forward -> batched verify ->
         per-request commit and KV rollback. Returns an output for every request that advanced or finished."""
         t_step = time.perf_counter()
+        if self.cpu_threads is not None:
+            use_cpu_threads(self.cpu_threads)
         outputs = [self._make_output(r) for r in self._aborted]
         self._aborted.clear()
         plan = self.scheduler.schedule(self._propose)

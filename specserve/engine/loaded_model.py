@@ -13,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from specserve.config import ConfigError
+from specserve.engine.cpu_threads import release_openmp_pool
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.model_runner import ModelRunner
 from specserve.hub import ModelFiles, resolve_model
@@ -49,6 +50,7 @@ class LoadedModel:
         num_slots: KV cache slots (most sequences at once).
         enforce_eager, batch_invariant: CUDA runner options (`EngineConfig`); on the CPU the eager
             `ModelRunner` runs and batch_invariant is refused.
+        cpu_linear: how linear layers run on the CPU ("auto", "onednn", "torch"; see `specserve.model.cpu_linear`).
 
     Raises:
         ModelError, ModelConfigError, WeightLoadError: the model cannot be found or loaded.
@@ -56,7 +58,7 @@ class LoadedModel:
     """
 
     def __init__(self, model_ref: str, dtype: str, device: str, max_model_len: int | None, num_slots: int,
-                 enforce_eager: bool = False, batch_invariant: bool = False):
+                 enforce_eager: bool = False, batch_invariant: bool = False, cpu_linear: str = "auto"):
         files = resolve_model(model_ref)
         dev = resolve_device(device)
         if batch_invariant and dev.type != "cuda":
@@ -64,9 +66,11 @@ class LoadedModel:
         dt = resolve_dtype(dtype, dev)
         cfg = ModelConfig.from_folder(files.path)
         max_len = min(max_model_len or min(cfg.max_position_embeddings, 4096), cfg.max_position_embeddings)
-        model = load_model(files.path, cfg, dt, dev, max_len)
+        model = load_model(files.path, cfg, dt, dev, max_len, cpu_linear)
         self._assemble(files, cfg, model, AutoTokenizer.from_pretrained(str(files.path)), dt, dev, max_len, num_slots,
                        enforce_eager, batch_invariant)
+        if dev.type == "cpu":
+            release_openmp_pool()  # loading ran parallel work here; steps may run on another thread
 
     @classmethod
     def from_parts(cls, files: ModelFiles, config: ModelConfig, model: torch.nn.Module, tokenizer: Any, *,

@@ -17,6 +17,7 @@ What it does not do: forward requests (`proxy.py`) or choose the profile (the ro
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import httpx
+import aiohttp
 
 from specserve.bench.prom import parse as parse_prometheus
 from specserve.gateway.config import BackendConfig, HealthConfig
@@ -130,37 +131,42 @@ class HealthChecker:
     """Checks every backend every `interval_s` (see the module docstring). `on_acceptance(backend,
     drafts, draft_tokens, accepted)` receives the increase of a vLLM backend's speculation counters."""
 
-    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, health: HealthConfig,
+    def __init__(self, pool: BackendPool, session: aiohttp.ClientSession, health: HealthConfig,
                  on_acceptance: Callable[[Backend, int, int, int], None] | None = None):
         self.pool = pool
-        self.client = client
+        self.session = session
+        self._timeout = aiohttp.ClientTimeout(total=health.timeout_s)
         self.health = health
         self.on_acceptance = on_acceptance
 
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        async with self.session.get(url, timeout=self._timeout, allow_redirects=False) as r:
+            return r.status, await r.read()
+
     async def check(self, b: Backend) -> bool:
         try:
-            r = await self.client.get(b.cfg.url + self.health.path, timeout=self.health.timeout_s)
-            ok, error = r.status_code == 200, f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
+            status, _ = await self._get(b.cfg.url + self.health.path)
+            ok, error = status == 200, f"HTTP {status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
             ok, error = False, f"{type(e).__name__}: {e}"
         self.pool.record_check(b, ok, error, self.health)
         if ok:
             try:
                 if not b.models:
-                    r = await self.client.get(b.cfg.url + "/v1/models", timeout=self.health.timeout_s)
-                    if r.status_code == 200:
-                        b.models = [m.get("id") for m in r.json().get("data", []) if m.get("id")]
+                    status, content = await self._get(b.cfg.url + "/v1/models")
+                    if status == 200:
+                        b.models = [m.get("id") for m in json.loads(content).get("data", []) if m.get("id")]
                 if b.cfg.kind == "vllm":
                     await self._scrape(b)
-            except (httpx.HTTPError, ValueError, AttributeError) as e:
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
                 logger.debug("gateway: reading %s failed: %s", b.name, e)
         return ok
 
     async def _scrape(self, b: Backend) -> None:
-        r = await self.client.get(b.cfg.url + "/metrics", timeout=self.health.timeout_s)
-        if r.status_code != 200:
+        status, content = await self._get(b.cfg.url + "/metrics")
+        if status != 200:
             return
-        samples = parse_prometheus(r.text)
+        samples = parse_prometheus(content.decode("utf-8", "replace"))
         now = tuple(sum(v for (name, _), v in samples.items() if name == key)
                     for key in (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED))
         prev, b.spec_counts = b.spec_counts, now

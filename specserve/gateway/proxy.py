@@ -16,6 +16,11 @@ request (for a non-streamed request a watcher starts after 0.25 s, so that fast 
 extra task). Each request yields one `Outcome` for the rollout window, one request-log line (backend,
 profile, config, rollout step, attempts) and its Prometheus series; responses carry
 `x-specserve-profile` and `x-specserve-backend`. Errors are OpenAI-shaped.
+Cost: the client's body bytes are forwarded as they came unless something in them must change (a
+`profile` field, a renamed `model`: re-serialized; the usage option of a stream: spliced in), and
+backends are reached with aiohttp's pooled keep-alive connections (its C HTTP parser costs about a
+third of httpx's CPU per request, measured in `docs/gateway.md`), so that the gateway adds well under
+a millisecond per request (`benchmarks/gateway_overhead.py`).
 What it does not do: health checks (`backends.py`) or the app and its routes (`app.py`).
 """
 
@@ -24,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
+import itertools
+import secrets
 from typing import Any
 
-import httpx
-from starlette.requests import ClientDisconnect, Request
+import aiohttp
+from starlette.requests import Request
 from starlette.responses import Response
+from yarl import URL
 
 from specserve.gateway.backends import Backend
 from specserve.gateway.exchange import Exchange, record_exchange
@@ -37,8 +44,16 @@ from specserve.gateway.streaming import DisconnectGuard, RelayStream, SSERelay
 from specserve.inputs import InvalidRequestError
 from specserve.rollout.policy import ProfileForbidden, UnknownProfile
 from specserve.rollout.shadow import outputs_from_body, outputs_from_events
-from specserve.server.errors import APIError, error_body
+from specserve.server.errors import APIError, error_body, read_body
 from specserve.server.parsing import parse_json_body
+
+#: attempts that never reached the backend: the backend is ejected at once (passive health check)
+_UNREACHABLE = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+#: a kept-alive connection the backend closed just as the request went out (no response at all)
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+#: the connection failed while the response was being read
+_LOST = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)
+_USAGE_OPTION = b', "stream_options": {"include_usage": true}}'
 
 PROFILE_HEADER = "x-specserve-profile"
 BACKEND_HEADER = "x-specserve-backend"
@@ -62,6 +77,16 @@ class _Retry(Exception):
         self.response = response
 
 
+def _with_usage_option(body: dict, raw: bytes) -> bytes:
+    """`raw` (the bytes of `body`) with stream_options.include_usage set: spliced in before the closing
+    brace when the client sent no stream_options (no re-serialization), else re-serialized."""
+    raw = raw.rstrip()
+    if "stream_options" not in body and raw.endswith(b"}"):
+        return raw[:-1] + _USAGE_OPTION
+    options = body.get("stream_options") or {}
+    return json.dumps({**body, "stream_options": {**options, "include_usage": True}}).encode()
+
+
 def _gateway_adds_usage(body: dict) -> bool:
     """A stream whose client did not ask for usage: the gateway asks for it (and drops the usage chunk)."""
     options = body.get("stream_options")
@@ -74,16 +99,15 @@ class Proxy:
 
     def __init__(self, gw: Any):
         self.gw = gw
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
+        # request ids: a random prefix per process and a counter (unique, without os.urandom per request)
+        self._id_prefix, self._ids = f"gw-{secrets.token_hex(6)}-", itertools.count(1)
 
     # ---- choosing -------------------------------------------------------------------------------
 
     async def _exchange(self, request: Request, path: str, chat: bool) -> Exchange:
         gw = self.gw
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            raise APIError(499, "client disconnected while sending the request") from None
+        raw = await read_body(request)
         try:
             body = parse_json_body(raw)  # the server's limits: depth, NaN, UTF-8, an object
         except InvalidRequestError as e:
@@ -104,34 +128,36 @@ class Proxy:
             fallback = gw.fallback_profile()
             if fallback != profile and gw.pool.has_healthy(fallback):
                 profile, reason = fallback, "unavailable"
-        rid = request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
+        rid = request.headers.get("x-request-id") or f"{self._id_prefix}{next(self._ids)}"
         ex = Exchange(rid=rid, path=path, chat=chat, raw=raw, body=body, profile=profile, reason=reason,
                       step=choice.step, sticky=sticky)
         ex.capture = gw.shadow is not None and profile == gw.shadow_baseline() and gw.shadow.wants(body)
         return ex
 
-    def _upstream(self, ex: Exchange, b: Backend, request: Request) -> httpx.Request:
-        body = ex.body
-        options = body.get("stream_options")
+    def _upstream(self, ex: Exchange, b: Backend, request: Request) -> tuple[URL, bytes, dict[str, str]]:
+        """(url, body bytes, headers) of one attempt on backend `b`. The client's bytes go as they came
+        unless the body must change: without `profile`, with the backend's `model`, with the usage option."""
+        body, data = ex.body, ex.raw
         add_usage = _gateway_adds_usage(body)
-        changed = "profile" in body or (b.cfg.model and body.get("model") != b.cfg.model) or add_usage
-        if changed:  # (a malformed stream_options goes as it is: the backend names the error)
+        if "profile" in body or (b.cfg.model and body.get("model") != b.cfg.model):
             body = {k: v for k, v in body.items() if k != "profile"}
             if b.cfg.model:
                 body["model"] = b.cfg.model
-            if add_usage:
-                body["stream_options"] = {**(options or {}), "include_usage": True}
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", ex.rid.encode())]
+            if add_usage:  # (a malformed stream_options goes as it is: the backend names the error)
+                body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            data = json.dumps(body).encode()
+        elif add_usage:
+            data = _with_usage_option(body, data)
+        headers = {"content-type": "application/json", "x-request-id": ex.rid}
         auth = f"Bearer {b.cfg.api_key}" if b.cfg.api_key else request.headers.get("authorization")
         if auth:
-            headers.append((b"authorization", auth.encode()))
+            headers["authorization"] = auth
         if b.cfg.profile_header:
-            headers.append((PROFILE_HEADER.encode(), b.cfg.profile_header.encode()))
+            headers[PROFILE_HEADER] = b.cfg.profile_header
         url = self._urls.get((b.name, ex.path))
         if url is None:
-            url = self._urls[(b.name, ex.path)] = httpx.URL(b.cfg.url + ex.path)
-        return httpx.Request("POST", url, headers=headers, content=json.dumps(body).encode() if changed else ex.raw,
-                             extensions={"timeout": self.gw.timeouts})
+            url = self._urls[(b.name, ex.path)] = URL(b.cfg.url + ex.path)
+        return url, data, headers
 
     # ---- handling -------------------------------------------------------------------------------
 
@@ -177,30 +203,34 @@ class Proxy:
         msg = f"{b.name}: {type(e).__name__}: {e}" if e is not None else f"{b.name}: HTTP {code}"
         gw.metrics.attempt(b.name, ex.profile, "error", code)
         gw.metrics.retries.labels(backend=b.name).inc()
-        if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        if isinstance(e, _UNREACHABLE):
             gw.pool.eject(b, f"{type(e).__name__}: {e}")
         return msg
 
-    async def _send(self, request: Request, ex: Exchange, b: Backend) -> httpx.Response:
+    async def _send(self, request: Request, ex: Exchange, b: Backend) -> aiohttp.ClientResponse:
         """Send one attempt and wait for the response head. Raises _Retry for retryable failures. A kept-alive
         connection that the backend closed at that moment (no response at all) is retried once on a new
         connection to the same backend, as HTTP clients do for requests without side effects."""
+        url, data, headers = self._upstream(ex, b, request)
+        session = self.gw.session
         try:
             try:
-                return await self.gw.transport.handle_async_request(self._upstream(ex, b, request))
-            except (httpx.RemoteProtocolError, httpx.ReadError):
-                return await self.gw.transport.handle_async_request(self._upstream(ex, b, request))
-        except httpx.TimeoutException as e:
-            if isinstance(e, httpx.ConnectTimeout):
-                raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
-            raise APIError(504, f"backend {b.name} timed out: {e}", code="gateway_timeout") from None
-        except httpx.TransportError as e:
+                return await session.post(url, data=data, headers=headers, allow_redirects=False)
+            except _STALE as e:
+                if isinstance(e, _UNREACHABLE):
+                    raise
+                return await session.post(url, data=data, headers=headers, allow_redirects=False)
+        except aiohttp.ConnectionTimeoutError as e:
+            raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
+        except TimeoutError as e:
+            raise APIError(504, f"backend {b.name} timed out: {type(e).__name__}: {e}", code="gateway_timeout") from None
+        except aiohttp.ClientError as e:
             raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
 
     @staticmethod
-    def _passthrough(resp: httpx.Response, content: bytes) -> Response:
-        headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
-        return Response(content, status_code=resp.status_code, headers=headers,
+    def _passthrough(resp: aiohttp.ClientResponse, content: bytes) -> Response:
+        retry_after = resp.headers.get("retry-after")
+        return Response(content, status_code=resp.status, headers={"retry-after": retry_after} if retry_after else None,
                         media_type=resp.headers.get("content-type", "application/json"))
 
     def _give_up(self, ex: Exchange, last: _Retry | None, e: APIError) -> Response:
@@ -251,41 +281,42 @@ class Proxy:
         finally:
             guard.close()
 
-    async def _read_whole(self, request: Request, ex: Exchange, b: Backend) -> tuple[httpx.Response, bytes]:
+    async def _read_whole(self, request: Request, ex: Exchange, b: Backend) -> tuple[aiohttp.ClientResponse, bytes]:
         """One non-streamed try: the whole answer, or _Retry (the client has seen nothing yet)."""
         self._busy(b, 1)
         try:
             resp = await self._send(request, ex, b)
             try:
-                content = await resp.aread()
-            except httpx.TimeoutException as e:
-                raise APIError(504, f"backend {b.name} timed out: {e}", code="gateway_timeout") from None
-            except httpx.TransportError as e:  # lost mid-response
+                content = await resp.read()  # (returns the connection to the pool)
+            except TimeoutError as e:
+                raise APIError(504, f"backend {b.name} timed out: {type(e).__name__}: {e}",
+                               code="gateway_timeout") from None
+            except _LOST as e:  # lost mid-response
                 raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
             finally:
-                await resp.aclose()
+                resp.close()  # (a no-op after a whole read; else the connection is dropped, not reused)
         finally:
             self._busy(b, -1)
-        if resp.status_code in RETRY_STATUSES:
-            raise _Retry(self._failed_attempt(ex, b, None, resp.status_code), self._passthrough(resp, content))
+        if resp.status in RETRY_STATUSES:
+            raise _Retry(self._failed_attempt(ex, b, None, resp.status), self._passthrough(resp, content))
         return resp, content
 
-    async def _open_stream(self, request: Request, ex: Exchange, b: Backend) -> httpx.Response | Response:
+    async def _open_stream(self, request: Request, ex: Exchange, b: Backend) -> aiohttp.ClientResponse | Response:
         """One streamed try: the backend's open 200 stream, or its error answer (read whole), or _Retry."""
         resp = await self._send(request, ex, b)
-        if resp.status_code == 200:
+        if resp.status == 200:
             return resp
         try:
-            content = await resp.aread()
-        except httpx.HTTPError as e:
+            content = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
             content = f"reading the error body failed: {e}".encode()
         finally:
-            await resp.aclose()
-        if resp.status_code in RETRY_STATUSES:
-            raise _Retry(self._failed_attempt(ex, b, None, resp.status_code), self._passthrough(resp, content))
-        self.gw.metrics.attempt(b.name, ex.profile, "error", resp.status_code)
-        record_exchange(self.gw, ex, "error", resp.status_code, content[:300].decode("utf-8", "replace"))
-        return Response(content, status_code=resp.status_code, headers=self._headers(ex),
+            resp.close()
+        if resp.status in RETRY_STATUSES:
+            raise _Retry(self._failed_attempt(ex, b, None, resp.status), self._passthrough(resp, content))
+        self.gw.metrics.attempt(b.name, ex.profile, "error", resp.status)
+        record_exchange(self.gw, ex, "error", resp.status, content[:300].decode("utf-8", "replace"))
+        return Response(content, status_code=resp.status, headers=self._headers(ex),
                         media_type=resp.headers.get("content-type", "application/json"))
 
     async def _unary(self, request: Request, ex: Exchange) -> Response:
@@ -295,7 +326,7 @@ class Proxy:
                 request, ex, lambda b: self._read_whole(request, ex, b))
         except _GiveUp as g:
             return g.response
-        code = resp.status_code
+        code = resp.status
         gw.metrics.child(gw.metrics.backend_latency, b.name).observe(time.perf_counter() - t_send)
         gw.metrics.attempt(b.name, ex.profile, "ok" if code == 200 else "error", code)
         if code == 200:
@@ -327,24 +358,27 @@ class Proxy:
         return RelayStream(self._relay(ex, b, resp, relay, t_send), headers=headers,
                            media_type=resp.headers.get("content-type", "text/event-stream"))
 
-    async def _relay(self, ex: Exchange, b: Backend, resp: httpx.Response, relay: SSERelay, t_send: float):
+    async def _relay(self, ex: Exchange, b: Backend, resp: aiohttp.ClientResponse, relay: SSERelay, t_send: float):
         gw = self.gw
         status, code, error = "cancelled", 499, "client disconnected"
         self._busy(b, 1)
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 out = relay.feed(chunk)
                 if out:
                     yield out
             if relay.buf:
                 yield relay.buf
             status, code, error = "ok", 200, None
-        except (httpx.TransportError, httpx.TimeoutException) as e:
+        except (aiohttp.ClientError, TimeoutError) as e:
             status, code, error = "error", 502, f"backend {b.name} failed mid-stream: {type(e).__name__}: {e}"
             yield f"data: {json.dumps(error_body(502, error, code='bad_gateway'))}\n\ndata: [DONE]\n\n".encode()
         finally:
             self._busy(b, -1)
-            await resp.aclose()
+            if status == "ok":
+                resp.release()  # whole: the connection goes back to the pool
+            else:
+                resp.close()  # the client left or the backend failed: drop the connection (the backend aborts)
             gw.metrics.child(gw.metrics.backend_latency, b.name).observe(time.perf_counter() - t_send)
             gw.metrics.attempt(b.name, ex.profile, status, code)
             record_exchange(self.gw, ex, status, code, error)

@@ -4,7 +4,11 @@ Uses transformers' own GGUF reader (`load_gguf_checkpoint`, the loader `from_pre
 runs for llama/qwen2), called directly so that `accelerate` is not needed and the weights go straight
 from the dequantizer into a dict (the model skeleton lives on the meta device: no second copy).
 Weights are written under Hugging Face tensor names; a tied lm_head is not written (the config says
-`tie_word_embeddings` and loaders tie it). Does not check checksums or manage the cache: see pull.py.
+`tie_word_embeddings` and loaders tie it). config.json names the model class in `architectures` (vLLM
+resolves a model by it; without it vLLM takes the folder for an embedding model) and drops the GGUF's
+`general.name`, which transformers' reader keeps as `_model_name_or_path` (for the catalog's qwen
+models it names an AWQ model the weights are not). `fix_config_json` repairs folders converted before.
+Does not check checksums or manage the cache: see pull.py.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import time
 from pathlib import Path
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# model_type -> the transformers (and vLLM) class of a causal LM of that type
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CONFIG_FORMAT = 2
+"""What a converted config.json holds, recorded in the folder's marker as `config_format`: 2 = it has
+`architectures` and no `_model_name_or_path`; folders without the field (1) were converted before."""
 
 
 @contextlib.contextmanager
@@ -117,10 +126,12 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> dict:
         lap("dequantize")
         _check_tensors(tensors, skeleton.state_dict(), config.tie_word_embeddings, type(skeleton).__name__)
         num_parameters = sum(t.numel() for t in tensors.values())
+        config.architectures = [type(skeleton).__name__]
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         del tensors, parsed, skeleton
         config.dtype = torch.float32
         config.save_pretrained(out_dir)
+        fix_config_json(out_dir)
         lap("write_safetensors")
         tokenizer = AutoTokenizer.from_pretrained(**src)
         tokenizer.save_pretrained(out_dir)
@@ -131,6 +142,35 @@ def _convert(gguf_path: Path, out_dir: Path, progress: bool) -> dict:
     lap("tokenizer")
     return {"arch": config.model_type, "tie_word_embeddings": bool(config.tie_word_embeddings),
             "num_parameters": num_parameters, "timings": timings}
+
+
+def fix_config_json(folder: str | os.PathLike) -> bool:
+    """Make `folder`/config.json a config that transformers and vLLM load unchanged: add `architectures`
+    (from `model_type`, when it is one of HF_ARCHITECTURES) if it is missing, and drop the GGUF-derived
+    `_model_name_or_path`. The file is replaced atomically, so a concurrent reader sees the old or the
+    new file, never half of one; running it twice changes nothing.
+
+    Returns:
+        whether the file changed.
+    Raises:
+        OSError: the file cannot be read or replaced (e.g. a read-only folder).
+        ValueError: config.json is not a JSON object.
+    """
+    path = Path(folder) / "config.json"
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    before = dict(data)
+    data.pop("_model_name_or_path", None)
+    arch = HF_ARCHITECTURES.get(data.get("model_type"))
+    if arch and not data.get("architectures"):
+        data = {"architectures": [arch], **data}
+    if data == before:
+        return False
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return True
 
 
 def _end_of_generation_ids(tokenizer, eos_token_id) -> int | list[int]:

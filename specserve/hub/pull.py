@@ -7,7 +7,10 @@ Cache layout (root: `specserve.hub.pypi.home()`: `$SPECSERVE_HOME`, default `~/.
     locks/<name>.lock        flock held while a model is being pulled / converted
     (datasets/ beside them belongs to `specserve.bench.wheels`)
 A folder is complete only if its marker `specserve.json` exists: folders are built under a temporary
-name, the marker is written last, and the folder is renamed into place. Loading weights is not done here.
+name, the marker is written last, and the folder is renamed into place. A complete folder converted by an
+older specserve (its marker's `config_format` below `convert.CONFIG_FORMAT`) has its config.json
+repaired in place the first time it is resolved (no re-conversion: the GGUF is usually gone by then).
+Loading weights is not done here.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from specserve.hub import pypi
 from specserve.hub.catalog import CATALOG, CatalogEntry, Part, catalog_names, entry_by_sha256
+from specserve.hub.convert import CONFIG_FORMAT, fix_config_json
 
 MARKER = "specserve.json"
 _CHUNK = 1 << 22
@@ -70,7 +74,33 @@ def is_ready(folder: str | os.PathLike) -> bool:
 
 
 def _files_from_marker(folder: Path, marker: dict) -> ModelFiles:
+    if marker.get("config_format", 1) < CONFIG_FORMAT:
+        upgrade_folder(folder, marker)
     return ModelFiles(marker["name"], folder, marker["source_sha256"], marker.get("source", "catalog"))
+
+
+def upgrade_folder(folder: str | os.PathLike, marker: dict) -> bool:
+    """Bring a complete folder converted by an older specserve up to `CONFIG_FORMAT`: repair config.json
+    (`convert.fix_config_json`), then record the format in the marker. Both files are replaced
+    atomically and the repair is idempotent, so concurrent processes need no lock. A folder that cannot
+    be written (read-only cache) is left as it is with a warning: specserve itself loads it either way.
+
+    Returns:
+        whether the folder was upgraded.
+    """
+    folder = Path(folder)
+    try:
+        fix_config_json(folder)
+        new = {**marker, "config_format": CONFIG_FORMAT}
+        tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(new, indent=2) + "\n")
+        os.replace(tmp, folder / MARKER)
+    except (OSError, ValueError) as e:
+        print(f"warning: could not update the config of {folder} for other tools ({e}); "
+              "transformers/vLLM may not load it unchanged", file=sys.stderr)
+        return False
+    marker.update(new)
+    return True
 
 
 def catalog_entry(name: str) -> CatalogEntry:
@@ -199,7 +229,7 @@ def install_converted(gguf: Path, final: Path, name: str, sha256: str, source: s
 
         marker = {"name": name, "source": source, "source_sha256": sha256, "arch": info.get("arch"),
                   "tie_word_embeddings": info.get("tie_word_embeddings"), "num_parameters": info.get("num_parameters"),
-                  "convert_timings": info.get("timings"),
+                  "convert_timings": info.get("timings"), "config_format": CONFIG_FORMAT,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "specserve_version": __version__}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")

@@ -1,8 +1,13 @@
-"""Batched causal attention over a slot-based KV cache, for ragged batches of new tokens.
+"""Causal attention over a slot-based KV cache, for ragged batches of new tokens (the eager path the CPU
+runs; CUDA has its own kernels in `specserve.model.fused_forward`).
 
 What it does: writes each new token's key/value into its request's cache slot at its position, then
 lets every new token attend to all cached positions <= its own position in its own slot. One step may
 hold prefill chunks (many tokens per request) and verify blocks (last token + k drafts) side by side.
+Each sequence is attended in its own SDPA call over a view of its slot (no gather, no padding, no copy
+of the cache): on the CPU this was 1.6-1.9x faster than padding a batch of decode/verify rows and
+gathering their slots (docs/cpu_performance.md), and a sequence's result does not depend on what else
+is in the batch. The masks are built once per step (`AttentionMetadata.build`) and shared by every layer.
 What it does not do: own the cache memory (see `specserve.engine.kv_cache`) or decide positions.
 
 Stale entries past a request's length (left by rejected drafts) are never read: a query at position p
@@ -18,35 +23,25 @@ import torch
 import torch.nn.functional as F
 
 
-# Sequences with more new tokens than this (prefill chunks) are attended one by one; shorter ones
-# (decode and verify blocks) are padded into one batched call. Padding a batch to a prefill chunk's
-# length would multiply the attention work by the batch size.
-MAX_PADDED_QUERY = 16
-
-
 @dataclass
-class AttentionPart:
-    """A contiguous run of the step's tokens attended in one SDPA call.
+class SeqAttention:
+    """One sequence's attention call.
 
     Attributes:
-        start, end: the part's tokens are [start, end) of the step's flat tokens.
-        batch_slots: int64 [Bp], cache slot of each sequence in the part.
-        single_slot: the slot when the part is one sequence (its cache slice is a view), else None.
-        token_batch_idx, token_query_idx: int64 [end - start], each token's sequence (0..Bp-1) and its
-            index among that sequence's new tokens.
-        max_query_len, max_context_len: Qmax and Lmax of the part.
-        mask: bool [Bp, 1, Qmax, Lmax], True where attention is allowed.
+        start, end: its tokens are [start, end) of the step's flat tokens.
+        slot: its KV cache slot.
+        context_len: L, positions it attends (its first new token's position + its new tokens).
+        mask: None (one new token: it sees all L keys; or a first prompt chunk: plain causal, `is_causal`)
+            or bool [1, 1, Q, L], True where attention is allowed (Q new tokens after L - Q cached ones).
+        is_causal: the chunk starts at position 0, so SDPA's own causal mask is the right one.
     """
 
     start: int
     end: int
-    batch_slots: torch.Tensor
-    single_slot: int | None
-    token_batch_idx: torch.Tensor
-    token_query_idx: torch.Tensor
-    max_query_len: int
-    max_context_len: int
-    mask: torch.Tensor
+    slot: int
+    context_len: int
+    mask: torch.Tensor | None
+    is_causal: bool
 
 
 @dataclass
@@ -56,12 +51,12 @@ class AttentionMetadata:
     Attributes:
         slots: int64 [T], cache slot of each new token.
         positions: int64 [T], position of each new token in its sequence.
-        parts: the attention calls of the step (see `AttentionPart`), covering [0, T) in order.
+        seqs: one `SeqAttention` per sequence, covering [0, T) in order.
     """
 
     slots: torch.Tensor
     positions: torch.Tensor
-    parts: list[AttentionPart]
+    seqs: list[SeqAttention]
 
     @classmethod
     def build(
@@ -75,50 +70,18 @@ class AttentionMetadata:
         """
         if any(q <= 0 for q in query_lens):
             raise ValueError("every request in a step needs at least one new token")
-        tok_slot, tok_pos = [], []
-        for slot, start, q in zip(slots, start_positions, query_lens):
+        tok_slot, tok_pos, seqs, t = [], [], [], 0
+        for slot, p0, q in zip(slots, start_positions, query_lens):
             tok_slot += [slot] * q
-            tok_pos += range(start, start + q)
-        groups: list[list[int]] = []  # consecutive short sequences share a group; a long one is alone
-        for b, q in enumerate(query_lens):
-            if q <= MAX_PADDED_QUERY and groups and query_lens[groups[-1][-1]] <= MAX_PADDED_QUERY:
-                groups[-1].append(b)
-            else:
-                groups.append([b])
-        offsets = [0]
-        for q in query_lens:
-            offsets.append(offsets[-1] + q)
-        parts = [
-            _part([slots[b] for b in g], [start_positions[b] for b in g], [query_lens[b] for b in g],
-                  offsets[g[0]], offsets[g[-1] + 1], device)
-            for g in groups
-        ]
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
-        return cls(slots=t(tok_slot), positions=t(tok_pos), parts=parts)
-
-
-def _part(slots, starts_l, qlens_l, start, end, device) -> AttentionPart:
-    qmax = max(qlens_l)
-    lmax = max(s + q for s, q in zip(starts_l, qlens_l))
-    tok_b, tok_q = [], []
-    for b, q in enumerate(qlens_l):
-        tok_b += [b] * q
-        tok_q += range(q)
-    starts = torch.tensor(starts_l, dtype=torch.int64)
-    qlens = torch.tensor(qlens_l, dtype=torch.int64)
-    qi = torch.arange(qmax)
-    # Padded query rows (qi >= qlen) attend to position 0 only, so no row is fully masked (NaN).
-    qpos = torch.where(qi[None, :] < qlens[:, None], starts[:, None] + qi[None, :], 0)  # [Bp, Qmax]
-    mask = torch.arange(lmax)[None, None, :] <= qpos[:, :, None]  # [Bp, Qmax, Lmax]
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
-    return AttentionPart(start, end, t(slots), slots[0] if len(slots) == 1 else None, t(tok_b), t(tok_q),
-                         qmax, lmax, mask[:, None].to(device))
+            tok_pos += range(p0, p0 + q)
+            mask = None
+            if q > 1 and p0 > 0:  # bottom-right causal: new token i sees positions <= p0 + i
+                mask = (torch.arange(p0 + q, device=device)[None, :]
+                        <= torch.arange(p0, p0 + q, device=device)[:, None])[None, None]
+            seqs.append(SeqAttention(t, t + q, slot, p0 + q, mask, q > 1 and p0 == 0))
+            t += q
+        flat = torch.tensor(tok_slot + tok_pos, dtype=torch.int64).to(device)
+        return cls(slots=flat[:t], positions=flat[t:], seqs=seqs)
 
 
 def cached_attention(
@@ -130,7 +93,7 @@ def cached_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write k/v into the cache, then attend, part by part.
+    """Write k/v into the cache, then attend, sequence by sequence over views of the cache.
 
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (after RoPE).
@@ -143,24 +106,13 @@ def cached_attention(
     """
     k_cache[meta.slots, :, meta.positions] = k
     v_cache[meta.slots, :, meta.positions] = v
-    outs = [_attend_part(q[p.start : p.end], k_cache, v_cache, p, scale) for p in meta.parts]
+    outs = []
+    for s in meta.seqs:
+        L = s.context_len
+        qs = q[s.start : s.end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D] (a view)
+        o = F.scaled_dot_product_attention(
+            qs, k_cache[s.slot : s.slot + 1, :, :L], v_cache[s.slot : s.slot + 1, :, :L],
+            attn_mask=s.mask, is_causal=s.is_causal, scale=scale, enable_gqa=True,
+        )  # [1, H, Q, D]
+        outs.append(o[0].transpose(0, 1).reshape(s.end - s.start, -1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _attend_part(q, k_cache, v_cache, p: AttentionPart, scale: float) -> torch.Tensor:
-    L = p.max_context_len
-    s = p.single_slot
-    if s is not None:
-        kb, vb = k_cache[s : s + 1, :, :L], v_cache[s : s + 1, :, :L]
-        qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-    else:
-        kb, vb = k_cache[p.batch_slots, :, :L], v_cache[p.batch_slots, :, :L]  # [Bp, Hkv, L, D]
-        B, H, D = p.batch_slots.shape[0], q.shape[1], q.shape[2]
-        qp = q.new_zeros(B, p.max_query_len, H, D)
-        qp[p.token_batch_idx, p.token_query_idx] = q
-        qb = qp.transpose(1, 2)  # [Bp, H, Qmax, D]
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=p.mask, scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2)  # [Bp, Qmax, H, D]
-    if s is not None:
-        return out[0].reshape(q.shape[0], -1)
-    return out[p.token_batch_idx, p.token_query_idx].reshape(q.shape[0], -1)

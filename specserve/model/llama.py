@@ -28,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one kernel, bit-identical to the lines below in float32
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -35,7 +38,10 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default RoPE with a precomputed cos/sin table of [max_positions, head_dim]."""
+    """Default RoPE with a precomputed cos/sin table of [max_positions, head_dim].
+
+    `tables(positions, dtype)` gathers one step's rows once (every layer reuses them); `apply` rotates.
+    """
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()
@@ -44,14 +50,26 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        half = head_dim // 2
+        self.register_buffer("sign", torch.cat((-torch.ones(half), torch.ones(half))), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin), each [T, 1, head_dim] in `dtype`, for positions [T] (signed sin: the first
+        half negated, so that `apply` needs no concatenation)."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = (self.sin[positions] * self.sign).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> rotated x: x * cos + rotate_half(x) * sin, where rotate_half(x) =
+        cat(-x2, x1) = roll(x, half) * sign (bit-identical to the concatenating form)."""
+        cos, sin = tables
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim], positions: [T] -> rotated x (same shape and dtype)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return self.apply(x, self.tables(positions, x.dtype))
 
 
 class Attention(nn.Module):
@@ -83,21 +101,25 @@ class Attention(nn.Module):
         self.qkv_proj = fused
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rope_tables, k_cache, v_cache, meta: AttentionMetadata):
+        """x: [T, hidden]; rope_tables: this step's `RotaryEmbedding.tables`. Returns [T, hidden]."""
         cfg = self.cfg
-        T = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(
-                [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], -1
-            )
+        T, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.qkv_proj is not None and cfg.family != "qwen3":
+            qkv = self.qkv_proj(x)
+            # q and k are adjacent columns: rotate both heads' sets in one pass
+            qk = RotaryEmbedding.apply(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), rope_tables)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(T, cfg.num_heads, cfg.head_dim)
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.family == "qwen3":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, meta.positions), rope(k, meta.positions)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], -1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+            if cfg.family == "qwen3":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, rope_tables), RotaryEmbedding.apply(k, rope_tables)
         out = cached_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out)
 
@@ -139,8 +161,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
+    def forward(self, x, rope_tables, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope_tables, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -184,9 +206,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, meta, kv, logits_rows):
         x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary
+        rope_tables = self.model.rotary.tables(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv.k[i], kv.v[i], meta)
+            x = layer(x, rope_tables, kv.k[i], kv.v[i], meta)
         x = self.model.norm(x[logits_rows])
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, w).float()
+        head = getattr(self, "lm_head", None)  # absent when tied, unless the CPU packed a copy
+        return (head(x) if head is not None else F.linear(x, self.model.embed_tokens.weight)).float()

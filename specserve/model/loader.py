@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from specserve.model.config import ModelConfig
+from specserve.model.cpu_linear import pack_linear_weights
 from specserve.model.llama import CausalLM, RotaryEmbedding
 from specserve.model.weight_memory import move_weights_to_huge_pages
 
@@ -38,16 +39,20 @@ def _safetensor_files(folder: Path) -> list[Path]:
 
 
 def load_model(
-    folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+    cpu_linear: str = "auto",
 ) -> CausalLM:
     """Build the model described by `cfg` from the checkpoint in `folder`, in `dtype` on `device`.
 
     Args:
         cfg: the folder's ModelConfig (`ModelConfig.from_folder`).
         max_positions: size of the RoPE table (the engine's max_model_len).
+        cpu_linear: on the CPU, how linear layers run (`specserve.model.cpu_linear.pack_linear_weights`):
+            "auto" (oneDNN with prepacked weights where available), "onednn" or "torch" (F.linear).
 
     Returns:
-        the model in eval mode, with fused projections (on the CPU, weights in `model.weight_arena`).
+        the model in eval mode, with fused projections; on the CPU with its linear weights packed
+        (`model.linear_backend` says which backend) and the other weights in `model.weight_arena`.
 
     Raises:
         WeightLoadError: checkpoint mismatch (missing or unexpected tensors, wrong shapes).
@@ -77,7 +82,9 @@ def load_model(
     del state, expected  # the model now holds the only references (so the move below frees as it goes)
     model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)
     model.fuse_projections()
+    model.linear_backend = "torch"
     if torch.device(device).type == "cpu":
+        model.linear_backend = pack_linear_weights(model, cpu_linear)
         # Also copies the tensors still backed by the memory-mapped checkpoint (when no dtype conversion
         # was needed) into private memory: each loading process then holds its own copy of the weights
         # instead of sharing the file's page cache, in exchange for huge pages.

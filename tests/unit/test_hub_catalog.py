@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import importlib
 import threading
 import zipfile
@@ -237,3 +238,54 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, monkeypatch, capsys):
     assert cli_main(["models"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct" in out and " no " in out and str(tmp_path) in out
+
+
+def test_folder_converted_by_an_older_version_gets_a_loadable_config(fake_env, tiny_model_dir, capsys):
+    """A cache folder converted before config.json had `architectures` (and kept the GGUF's name as
+    `_model_name_or_path`) is repaired in place on first use; transformers then reads the class from it."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from specserve.hub.convert import CONFIG_FORMAT
+
+    entry, calls, home = fake_env
+    folder = model_dir(entry.name)
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("architectures", None)
+    cfg["_model_name_or_path"] = "Some Other Model AWQ"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    old_marker = {"name": entry.name, "source": "catalog", "source_sha256": entry.sha256, "arch": "qwen2"}
+    (folder / pull_mod.MARKER).write_text(json.dumps(old_marker))
+
+    files = resolve_model(entry.name)
+    assert files.path == folder and calls == {"download": 0, "convert": 0}
+    fixed = json.loads((folder / "config.json").read_text())
+    assert fixed["architectures"] == ["Qwen2ForCausalLM"] and "_model_name_or_path" not in fixed
+    assert {k: v for k, v in fixed.items() if k != "architectures"} == {k: v for k, v in cfg.items() if k != "_model_name_or_path"}
+    assert pull_mod.read_marker(folder)["config_format"] == CONFIG_FORMAT
+    assert AutoConfig.from_pretrained(folder).architectures == ["Qwen2ForCausalLM"]
+    before = (folder / "config.json").stat().st_mtime_ns
+    assert pull(entry.name, progress=False) == files and (folder / "config.json").stat().st_mtime_ns == before
+    assert not list(folder.glob(".*.tmp"))
+
+    # a read-only copy is left as it is, with a warning, and still resolves
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / pull_mod.MARKER).write_text(json.dumps(old_marker))
+    folder.chmod(0o555)
+    try:
+        if not os.access(folder, os.W_OK):  # root ignores the mode bits
+            assert resolve_model(entry.name) == files
+            assert "could not update the config" in capsys.readouterr().err
+    finally:
+        folder.chmod(0o755)
+
+
+def test_new_conversions_record_the_config_format(fake_env):
+    from specserve.hub.convert import CONFIG_FORMAT
+
+    entry, _, _ = fake_env
+    files = pull(entry.name, progress=False)
+    assert pull_mod.read_marker(files.path)["config_format"] == CONFIG_FORMAT

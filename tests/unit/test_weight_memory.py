@@ -10,17 +10,21 @@ from safetensors.torch import load_file
 from torch import nn
 
 from specserve.model.config import ModelConfig
+from specserve.model.cpu_linear import onednn_available
 from specserve.model.loader import load_model
 from specserve.model.weight_memory import move_weights_to_huge_pages
 
 
 @pytest.mark.parametrize("which", ["tiny_model_dir", "tiny_llama_dir"])  # tied and untied lm_head
-def test_loaded_weights_live_in_the_arena_with_checkpoint_values(request, which):
+@pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])
+def test_loaded_weights_live_in_the_arena_with_checkpoint_values(request, which, cpu_linear):
+    if cpu_linear == "onednn" and not onednn_available(torch.float32):
+        pytest.skip("no oneDNN in this torch build")
     folder = request.getfixturevalue(which)
     cfg = ModelConfig.from_folder(folder)
-    model = load_model(folder, cfg, torch.float32, torch.device("cpu"), 64)
+    model = load_model(folder, cfg, torch.float32, torch.device("cpu"), 64, cpu_linear=cpu_linear)
     arena = model.weight_arena
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if not p.is_mkldnn]  # oneDNN-packed weights live elsewhere
     assert params and all(arena.contains(p) for p in params)
     if sys.platform == "linux":
         assert arena.huge_pages  # the advice was accepted (the kernel may still ignore it if THP is off)
@@ -29,13 +33,26 @@ def test_loaded_weights_live_in_the_arena_with_checkpoint_values(request, which)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
     ckpt = load_file(str(folder / "model.safetensors"))
     assert torch.equal(model.model.embed_tokens.weight, ckpt["model.embed_tokens.weight"])
-    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, ckpt["model.layers.0.mlp.down_proj.weight"])
     gate_up = torch.cat([ckpt["model.layers.1.mlp.gate_proj.weight"], ckpt["model.layers.1.mlp.up_proj.weight"]])
-    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight, gate_up)
-    if cfg.tie_word_embeddings:
-        assert not hasattr(model, "lm_head")
-    else:
-        assert torch.equal(model.lm_head.weight, ckpt["lm_head.weight"])
+    lm_head = ckpt["model.embed_tokens.weight"] if cfg.tie_word_embeddings else ckpt["lm_head.weight"]
+    layers = model.model.layers
+    if model.linear_backend == "torch":
+        assert cpu_linear == "torch"
+        assert torch.equal(layers[0].mlp.down_proj.weight, ckpt["model.layers.0.mlp.down_proj.weight"])
+        assert torch.equal(layers[1].mlp.gate_up_proj.weight, gate_up)
+        if cfg.tie_word_embeddings:
+            assert not hasattr(model, "lm_head")
+        else:
+            assert torch.equal(model.lm_head.weight, lm_head)
+        return
+    # packed: each projection computes x W^T with the checkpoint's W (to fp32 rounding)
+    x = torch.randn(3, cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(layers[1].mlp.gate_up_proj(x), x @ gate_up.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.lm_head(x), x @ lm_head.T, rtol=1e-5, atol=1e-5)
+        h = torch.randn(3, cfg.intermediate_size)
+        down = ckpt["model.layers.0.mlp.down_proj.weight"]
+        torch.testing.assert_close(layers[0].mlp.down_proj(h), h @ down.T, rtol=1e-5, atol=1e-5)
 
 
 def test_moving_keeps_outputs_and_refuses_non_cpu_parameters():

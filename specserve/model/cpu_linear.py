@@ -1,0 +1,116 @@
+"""Linear layers on the CPU through oneDNN, with weights prepacked once at load time.
+
+Why: torch's `F.linear` on the CPU calls MKL's sgemm. On the AMD EPYC machines this project runs on, MKL
+takes a slow code path, and for one row (a batch-1 decode step) it runs on one thread. oneDNN, which
+torch also ships (`torch.ops.mkldnn`, the kernels torch.compile's CPU backend and vLLM's CPU backend
+use), with the weight reordered once into its blocked layout, uses every thread and was 2-6x faster on
+every projection of qwen2.5-coder-0.5b for 1-20 rows (docs/cpu_performance.md has the figures).
+
+What it does: `pack_linear_weights(model)` replaces every `nn.Linear` of a loaded model (and the
+output projection, `CausalLM.lm_head`, also when it is tied to the embeddings) by a `PackedLinear` that
+holds the oneDNN-packed weight, after checking on the first layer that the packed kernel agrees with
+`F.linear`. Where oneDNN is missing or disagrees, the model keeps `F.linear` (logged once).
+What it does not do: anything on CUDA, quantized weights, or float16 (oneDNN packs fp32 and bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W in oneDNN's blocked layout: [T, in_features] -> [T, out_features].
+
+    Args:
+        weight: [out_features, in_features] CPU tensor (fp32 or bf16); it is copied, not kept.
+        bias: [out_features] or None.
+
+    Attributes:
+        weight: the packed weight, an `nn.Parameter` holding an opaque oneDNN (`torch._mkldnn`) tensor:
+            it counts in `parameters()` (numel, dtype) but has no strided storage to view or index.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        with torch.inference_mode(False), torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+
+
+def onednn_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build can pack linear weights of `dtype` for oneDNN on this CPU."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
+    """The packed kernel gives F.linear's result (to rounding) on a few random rows."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, linear.in_features, generator=gen).to(linear.weight.dtype)
+    with torch.no_grad():
+        ref, got = linear(x).float(), packed(x).float()
+    tol = 1e-4 if linear.weight.dtype == torch.float32 else 3e-2
+    return bool(torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1.0))))
+
+
+def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
+    """Replace the CPU `nn.Linear` layers of `model` (and its output projection) by `PackedLinear`.
+
+    Args:
+        model: a loaded `CausalLM` on the CPU (projections already fused).
+        choice: "auto" (today: torch, see below), "onednn" (oneDNN or an error), "torch" (leave
+            F.linear / MKL). "auto" does not pick oneDNN because its result for a row depends on how many
+            rows share the call: a seeded sampled request then draws different tokens alone and in a
+            batch or a verify block (docs/cpu_performance.md, "Open problem"), which the README
+            guarantees it does not.
+
+    Returns:
+        the backend in use: "onednn" or "torch".
+
+    Raises:
+        ValueError: unknown choice.
+        RuntimeError: "onednn" was asked for but cannot be used here.
+    """
+    if choice not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"cpu linear backend must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {choice!r}")
+    if choice in ("torch", "auto"):
+        return "torch"
+    dtype = next(model.parameters()).dtype
+    linears = [(parent, name) for parent in model.modules() for name, mod in parent.named_children()
+               if isinstance(mod, nn.Linear)]
+    reason = None
+    if not onednn_available(dtype):
+        reason = f"oneDNN cannot pack {dtype} linear weights in this torch build / on this CPU"
+    elif linears:
+        first = getattr(*linears[0])
+        if not _agrees(first, PackedLinear.from_linear(first)):
+            reason = "oneDNN's packed linear disagrees with F.linear on a test input"
+        del first
+    if reason is not None:
+        raise RuntimeError(reason)
+    for parent, name in linears:  # one at a time, so that each old weight is freed as its copy is made
+        setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
+    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:
+        # the lookup needs the plain embedding table, the output projection a packed copy of it
+        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+    return "onednn"
