@@ -37,13 +37,13 @@ def method_configs(names: list[str], k: int, draft: str | None):
             cfgs[m] = SpeculativeConfig("suffix", max(k, 8))
         elif m == "draft_model":
             cfgs[m] = SpeculativeConfig("draft_model", k, model=draft)
-        elif m == "ngram_heuristic":
-            cfgs[m] = SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4,
-                                        num_speculative_tokens_schedule="heuristic")
-        elif m == "suffix_heuristic":
+        elif m == "ngram_adaptive":
+            cfgs[m] = SpeculativeConfig("ngram", max(k, 8), prompt_lookup_min=2, prompt_lookup_max=4,
+                                        num_speculative_tokens_schedule="adaptive")
+        elif m == "suffix_adaptive":
             # a cache size one below the default only gives this method its own proposer (its own global
             # tree), so it never learns from the other suffix method's run of the same prompt
-            cfgs[m] = SpeculativeConfig("suffix", max(k, 8), num_speculative_tokens_schedule="heuristic",
+            cfgs[m] = SpeculativeConfig("suffix", max(k, 8), num_speculative_tokens_schedule="adaptive",
                                         suffix_decoding_max_cached_requests=9999)
         else:
             raise SystemExit(f"unknown method {m!r}")

@@ -150,7 +150,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"finish={last.finish_reason}, TTFT {1000 * ((first or end) - start):.0f} ms, decode {rate:.1f} tokens/s")
     if spec_config is not None:
         acc = last.spec_stats.mean_acceptance_length
-        line += f", {spec_config.method} k={spec_config.num_speculative_tokens}: mean acceptance length {acc:.2f}" if acc else ", no drafts"
+        k = f"k<={spec_config.num_speculative_tokens} adaptive" if spec_config.adaptive else f"k={spec_config.num_speculative_tokens}"
+        line += f", {spec_config.method} {k}: mean acceptance length {acc:.2f}" if acc else f", {spec_config.method} {k}: no drafts"
+        if spec_config.adaptive:
+            counts = engine.adaptive.chosen_k.get(spec_config, [])
+            steps = sum(counts)
+            line += f", mean k {sum(k * n for k, n in enumerate(counts)) / steps:.2f} over {steps} steps" if steps else ""
     print(line + "]", file=sys.stderr)
     return 0
 
@@ -199,6 +204,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: new requests get 503 at once; running ones get this long to finish, "
                         "then end with an error event (streams) or a 503 body")
+    p.add_argument("--refresh-step-cost", action="store_true",
+                   help="measure the target's step cost again instead of reading the cached measurement "
+                        "(used by the adaptive schedule; see `specserve step-cost`)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
 
@@ -207,6 +215,49 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from specserve.server.launcher import serve
 
     return serve(args)
+
+
+# ---- step-cost ------------------------------------------------------------------------------------------
+
+
+def _add_step_cost(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("step-cost", help="show (or measure) a model's step cost on this device: forward ms by "
+                                         "tokens in the step, the numbers the adaptive schedule uses",
+                       description="Print the measured forward time of one step by new tokens (one sequence) and "
+                                   "by sequences, relative to a decode, as cached under $SPECSERVE_HOME/step_cost "
+                                   "(measured now when absent or with --refresh). The last stdout line is JSON.")
+    p.add_argument("--model", required=True, help="catalog name, Hugging Face folder or .gguf path")
+    p.add_argument("--refresh", action="store_true", help="measure again even when a cached measurement exists")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="as `serve` (the grid of sequences measured)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="as `serve`")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.set_defaults(func=_cmd_step_cost)
+
+
+def _cmd_step_cost(args: argparse.Namespace) -> int:
+    import json
+
+    from specserve.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    cm = engine.step_cost(refresh=args.refresh)
+    base = cm.forward_ms(1)
+    print(f"{engine.model_name} on {engine.device} ({cm.meta.get('dtype')}, {cm.meta.get('threads')} threads), "
+          f"context {cm.meta.get('context')} tokens, {cm.meta.get('repeats')} rounds; cache {cm.meta.get('cache')}")
+    print(f"{'new tokens':>10} {'ms':>9} {'x decode':>9}")
+    for t, ms in zip(cm.tokens, cm.token_ms):
+        print(f"{t:>10} {ms:>9.1f} {ms / base:>9.2f}")
+    print(f"{'sequences':>10} {'extra ms':>9}")
+    for b, ms in zip(cm.seqs, cm.seq_extra_ms):
+        print(f"{b:>10} {ms:>9.1f}")
+    sys.stdout.flush()
+    print(json.dumps(cm.to_dict()))
+    return 0
 
 
 # ---- bench ----------------------------------------------------------------------------------------------
@@ -223,6 +274,32 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from specserve.bench.cli import run
+
+    return run(args)
+
+
+# ---- sweep ----------------------------------------------------------------------------------------------
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    from specserve.bench.sweep_cli import EPILOG, add_arguments  # argparse only
+
+    p = sub.add_parser("sweep", help="benchmark methods x k (and adaptive) x concurrency x segments and recommend "
+                                     "a profile per segment and concurrency",
+                       description="Run the benchmark over speculative methods x num_speculative_tokens (and the "
+                                   "adaptive schedule) x concurrency x workload segments against one running "
+                                   "specserve server (profiles added through its admin API) or against external "
+                                   "servers started from a command template; repeat with rotated order; report "
+                                   "median and spread of the TPOT speedup; recommend per (segment, concurrency) the "
+                                   "profile with the smallest k within the noise of the best. Writes sweep.json, "
+                                   "recommended_profiles.json, table.txt and report.html; the last stdout line is JSON.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=_cmd_sweep)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from specserve.bench.sweep_cli import run
 
     return run(args)
 
@@ -290,7 +367,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 # ---- main -----------------------------------------------------------------------------------------------
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_models, _add_pull, _add_generate, _add_serve, _add_bench, _add_demo, _add_rollout, _add_gateway,
+    _add_models, _add_pull, _add_generate, _add_serve, _add_step_cost, _add_bench, _add_sweep, _add_demo,
+    _add_rollout, _add_gateway,
 ]
 
 

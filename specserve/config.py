@@ -45,6 +45,44 @@ SUPPORTED_METHODS = ("ngram", "suffix", "draft_model")
 KNOWN_UNSUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 
 
+SCHEDULES = ("constant", "adaptive")
+"""Values of `num_speculative_tokens_schedule`."""
+
+
+def parse_batch_size_table(entries: Any) -> tuple[tuple[int, int, int], ...]:
+    """Validate vLLM's `num_speculative_tokens_per_batch_size`: [[bs_lo, bs_hi, k], ...] -> sorted triples.
+
+    Raises:
+        ConfigError: not a non-empty list of 3-item integer entries; a range that is empty, not
+            positive, overlaps another, or a first range that does not start at 1; k < 0; the 5-item
+            (context bucket) form, which is not supported yet.
+    """
+    name = "num_speculative_tokens_per_batch_size"
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ConfigError(f"{name} must be a non-empty list of [bs_lo, bs_hi, k] entries, got {entries!r}")
+    out = []
+    for e in entries:
+        if isinstance(e, (list, tuple)) and len(e) == 5:
+            raise ConfigError(f"{name}: the 5-item form [bs_lo, bs_hi, ctx_lo, ctx_hi, k] (context buckets) "
+                              "is not supported yet; use [bs_lo, bs_hi, k] entries")
+        if (not isinstance(e, (list, tuple)) or len(e) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in e)):
+            raise ConfigError(f"{name} entries must be [bs_lo, bs_hi, k] integer triples (vLLM's format), got {e!r}")
+        lo, hi, k = e
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"{name}: batch-size range [{lo}, {hi}] must have 1 <= bs_lo <= bs_hi")
+        if k < 0:
+            raise ConfigError(f"{name}: k must be >= 0, got {k} in {list(e)}")
+        out.append((lo, hi, k))
+    out.sort()
+    if out[0][0] != 1:
+        raise ConfigError(f"{name}: the first batch-size range must start at 1 (every batch size needs a k)")
+    for (_, prev_hi, _), (lo, hi, _) in zip(out, out[1:]):
+        if lo <= prev_hi:
+            raise ConfigError(f"{name}: batch-size ranges overlap at [{lo}, {hi}]")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """One speculation setting (a 'profile' is a named one of these).
@@ -60,13 +98,19 @@ class SpeculativeConfig:
         suffix_decoding_max_spec_factor: drafts <= factor * match length (suffix only).
         suffix_decoding_min_token_prob: stop extending a draft below this estimated probability (suffix only).
         draft_tensor_parallel_size: accepted for vLLM compatibility; only 1 is supported.
-        num_speculative_tokens_per_batch_size: optional list of [max_batch_size, k] pairs; a step with
-            batch size b uses the k of the first pair with b <= max_batch_size (0 turns speculation off).
-        num_speculative_tokens_schedule: "constant" (vLLM's behaviour: always k) or "heuristic"
-            (specserve's extension, transformers' `num_assistant_tokens_schedule="heuristic"`): each
-            request starts at k, then its own k grows by 2 after a step that accepted every draft and
-            shrinks by 1 (not below 1) after one that did not, capped by num_speculative_tokens. Losslessness
-            does not depend on k; the point is to stop paying for long verify blocks that get rejected.
+        num_speculative_tokens_per_batch_size: vLLM's dynamic speculative decoding table, a list of
+            [bs_lo, bs_hi, k] entries (vLLM `vllm/v1/spec_decode/dynamic/utils.py`, same key and
+            meaning): a step whose batch (its decoding requests) has bs_lo <= size <= bs_hi uses at most
+            k drafts per request (0 turns speculation off); a size in a gap between ranges uses the k of
+            the range before it, a size beyond the last range the last k; k is capped at
+            num_speculative_tokens. Ranges must start at 1 and must not overlap. vLLM's 5-item form
+            (with context-length buckets) is refused as not supported yet.
+        num_speculative_tokens_schedule: how k is chosen each step for each request, up to
+            num_speculative_tokens (and the batch-size table): "constant" (vLLM's behaviour: always the
+            maximum) or "adaptive" (specserve's extension, docs/adaptive-speculation.md): every step k
+            (0 included) is chosen per request to maximise the expected committed tokens per second
+            of the whole step, from the target's measured step cost and each request's acceptance
+            estimate. Losslessness does not depend on k.
     """
 
     method: str
@@ -79,7 +123,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     draft_tensor_parallel_size: int = 1
-    num_speculative_tokens_per_batch_size: tuple[tuple[int, int], ...] | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
     num_speculative_tokens_schedule: str = "constant"
 
     def __post_init__(self) -> None:
@@ -115,24 +159,14 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"need prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
-        if self.num_speculative_tokens_schedule not in ("constant", "heuristic"):
+        if self.num_speculative_tokens_schedule not in SCHEDULES:
             raise ConfigError(
-                f'num_speculative_tokens_schedule must be "constant" or "heuristic", got {self.num_speculative_tokens_schedule!r}'
+                f"num_speculative_tokens_schedule must be one of {', '.join(map(repr, SCHEDULES))}, "
+                f"got {self.num_speculative_tokens_schedule!r}"
             )
         if self.num_speculative_tokens_per_batch_size is not None:
-            pairs = self.num_speculative_tokens_per_batch_size
-            if not isinstance(pairs, (list, tuple)) or not pairs:
-                raise ConfigError("num_speculative_tokens_per_batch_size must be a non-empty list of "
-                                  f"[max_batch_size, k] pairs, got {pairs!r}")
-            for p in pairs:
-                ok = isinstance(p, (list, tuple)) and len(p) == 2 and all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in p)
-                if not ok or p[0] < 1 or not 0 <= p[1] <= self.num_speculative_tokens:
-                    raise ConfigError(
-                        "num_speculative_tokens_per_batch_size must be a list of [max_batch_size >= 1, "
-                        f"0 <= k <= num_speculative_tokens] integer pairs, got {p!r}"
-                    )
-            object.__setattr__(self, "num_speculative_tokens_per_batch_size", tuple(sorted(tuple(p) for p in pairs)))
+            table = parse_batch_size_table(self.num_speculative_tokens_per_batch_size)
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size", table)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SpeculativeConfig | None":
@@ -168,13 +202,23 @@ class SpeculativeConfig:
         return cls.from_dict(d)
 
     def k_for_batch_size(self, batch_size: int) -> int:
-        """The number of drafts to propose this step for a decode batch of `batch_size` requests."""
-        if self.num_speculative_tokens_per_batch_size:
-            for max_bs, k in self.num_speculative_tokens_per_batch_size:
-                if batch_size <= max_bs:
-                    return k
-            return 0
-        return self.num_speculative_tokens
+        """The most drafts per request for a step whose batch holds `batch_size` requests: the batch-size
+        table's k (vLLM's lookup: gaps carry the previous range's k, sizes past the last range take its
+        k; capped at num_speculative_tokens), or num_speculative_tokens without a table."""
+        table = self.num_speculative_tokens_per_batch_size
+        if not table:
+            return self.num_speculative_tokens
+        k = table[0][2]
+        for lo, _hi, range_k in table:
+            if batch_size < lo:
+                break
+            k = range_k
+        return min(k, self.num_speculative_tokens)
+
+    @property
+    def adaptive(self) -> bool:
+        """True when k is chosen per step by the cost-aware schedule ("adaptive")."""
+        return self.num_speculative_tokens_schedule == "adaptive"
 
     def effective(self) -> dict[str, Any]:
         """Every key with the value in force after defaults (what start-up prints and /v1/models,
@@ -212,6 +256,8 @@ class EngineConfig:
         batch_invariant: on CUDA, compute every row in a fixed reduction order whatever the batch shape, so
             a verify block's logits are bit-identical to one-token decodes and greedy speculation is
             token-identical to the baseline in bf16 too (slower matmuls; see docs/gpu-notes.md).
+        refresh_step_cost: measure the target's step cost again instead of reading the cached
+            measurement (the adaptive schedule needs it; `specserve.engine.step_cost`).
         cpu_threads: threads of the CPU forward, sampler and verifier; None = OMP_NUM_THREADS if set,
             else every CPU the process may run on (`specserve.engine.cpu_threads`). CPU device only.
         cpu_linear: how linear layers run on the CPU: "auto" (F.linear / MKL, so that seeded sampling
@@ -230,6 +276,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     batch_invariant: bool = False
+    refresh_step_cost: bool = False
     cpu_threads: int | None = None
     cpu_linear: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)

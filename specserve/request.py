@@ -66,7 +66,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
-    num_speculative_tokens: int | None = None  # the request's own k under the "heuristic" schedule
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -106,12 +106,17 @@ METHODS = {
     "suffix_k15": {"method": "suffix", "num_speculative_tokens": 15, "suffix_decoding_max_cached_requests": 9999},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
 }
-# 16 concurrent: the same, plus k capped by batch size (num_speculative_tokens_per_batch_size)
+# 16 concurrent: the same, plus k capped by batch size (vLLM's num_speculative_tokens_per_batch_size,
+# [bs_lo, bs_hi, k]) and the adaptive schedule (k per request and step from the measured step cost)
 C16_PROFILES = ["baseline", "ngram", "suffix", "draft_model"]
 C16_EXTRA = {
-    "ngram_pbs": {**METHODS["ngram"], "num_speculative_tokens_per_batch_size": [[4, 5], [16, 3]]},
-    "suffix_pbs": {**METHODS["suffix"], "num_speculative_tokens_per_batch_size": [[4, 8], [16, 4]]},
-    "draft_model_pbs": {**METHODS["draft_model"], "num_speculative_tokens_per_batch_size": [[4, 3], [16, 1]]},
+    "ngram_pbs": {**METHODS["ngram"], "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 16, 3]]},
+    "suffix_pbs": {**METHODS["suffix"], "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 16, 4]]},
+    "draft_model_pbs": {**METHODS["draft_model"], "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 16, 1]]},
+    "ngram_adaptive": {**METHODS["ngram_k8"], "num_speculative_tokens_schedule": "adaptive"},
+    # its own suffix proposer (see suffix_k15): no other profile's outputs of the same prompts in its tree
+    "suffix_adaptive": {**METHODS["suffix"], "num_speculative_tokens_schedule": "adaptive",
+                        "suffix_decoding_max_cached_requests": 9998},
 }
 
 

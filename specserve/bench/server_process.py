@@ -4,6 +4,8 @@ What it does: starts the server on 127.0.0.1 and a free port in its own session 
 port if the chosen one was taken meanwhile), waits for /health, and stops it (SIGTERM to its process
 group, which uvicorn answers with a graceful shutdown; SIGKILL if it lingers). On Linux the child also
 dies with its parent (PR_SET_PDEATHSIG), so a killed caller leaves no server behind.
+`ServerProcess.command` does the same for any server command that takes a port (an external server
+for `specserve sweep --server-cmd`).
 What it does not do: choose the server's options beyond host and port (the caller passes its argv).
 """
 
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -41,7 +44,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (Linu
 
 
 class ServerProcess:
-    """`specserve serve ARGS --host 127.0.0.1 --port P` as a child process.
+    """`specserve serve ARGS --host 127.0.0.1 --port P` as a child process, or any server command
+    (`ServerProcess.command`: e.g. a vLLM server for `specserve sweep --server-cmd`).
 
     Args:
         serve_args: the arguments after `specserve serve` (model, profiles, ...), without host and port.
@@ -53,11 +57,19 @@ class ServerProcess:
     """
 
     def __init__(self, serve_args: list[str], log_path: str | os.PathLike):
-        self.argv = [sys.executable, "-m", "specserve.cli", "serve", *serve_args, "--host", "127.0.0.1"]
+        argv = [sys.executable, "-m", "specserve.cli", "serve", *serve_args, "--host", "127.0.0.1"]
+        self.argv_for_port: Callable[[int], list[str]] = lambda port: [*argv, "--port", str(port)]
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.stopped_by: str | None = None
+
+    @classmethod
+    def command(cls, argv_for_port: Callable[[int], list[str]], log_path: str | os.PathLike) -> "ServerProcess":
+        """Any server that serves GET /health on 127.0.0.1: `argv_for_port(port)` is its command line."""
+        srv = cls([], log_path)
+        srv.argv_for_port = argv_for_port
+        return srv
 
     @property
     def base_url(self) -> str:
@@ -87,7 +99,7 @@ class ServerProcess:
         self.port = free_port()
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([*self.argv, "--port", str(self.port)], stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(self.argv_for_port(self.port), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         deadline = time.monotonic() + timeout_s

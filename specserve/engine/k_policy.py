@@ -3,17 +3,20 @@
 What it does: `KPolicy` is what the scheduler asks once per step, for all decoding requests at once
 (`choose`, which may answer 0 for any request), and what the engine tells after each verify step
 (`observe`). `ConfiguredK`, the default, follows each request's SpeculativeConfig:
-`num_speculative_tokens`, `num_speculative_tokens_per_batch_size`, and the opt-in "heuristic" schedule
-(k grows by 2 after a step that accepted every draft, shrinks by 1 otherwise, between 1 and k).
+`num_speculative_tokens`, or vLLM's `num_speculative_tokens_per_batch_size` table. A policy that decides
+k from the drafts themselves (`DraftingKPolicy`: the adaptive schedule, `specserve.engine.draft_length`)
+also gets `draft`: its `choose` says how deep drafting may go, and `draft` drafts within the capped
+values and cuts each proposal to the final k.
 What it does not do: the hard caps (max_tokens, the context length, the step's token budget); the
 scheduler applies them after the policy (`Scheduler.speculation_caps`), so no policy can break them.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from specserve.request import Request
+from specserve.spec_decode.proposer import Proposal
 
 
 class KPolicy(Protocol):
@@ -33,8 +36,24 @@ class KPolicy(Protocol):
         ...
 
     def observe(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
-        """A verify step of `request` proposed `num_draft_tokens` drafts and accepted `num_accepted`
-        (before any stop cut the block)."""
+        """A decode step of speculative `request` verified `num_draft_tokens` drafts (0 when it decoded
+        plainly) and accepted `num_accepted` (before any stop cut the block); called after the commit,
+        so `request.all_token_ids` holds the committed tokens."""
+        ...
+
+
+class DraftingKPolicy(KPolicy, Protocol):
+    """A KPolicy that decides the final k after seeing the drafts (the proposer's own confidence)."""
+
+    def draft(self, asks: Sequence[tuple[Request, int]], propose: Callable, *, num_other_tokens: int,
+              num_other_seqs: int) -> list[Proposal]:
+        """Drafts for `asks` ((request, k cap) pairs after the scheduler's caps, k cap >= 1), each cut to
+        the k this policy chooses (0..cap), drafting through `propose` (the engine's callback).
+
+        Args:
+            num_other_tokens, num_other_seqs: new tokens and sequences of the rest of the step (decodes
+                without drafts, the prompt chunks that would follow).
+        """
         ...
 
 
@@ -48,17 +67,8 @@ class ConfiguredK:
             if cfg is None:
                 out.append(0)
                 continue
-            k = cfg.k_for_batch_size(len(requests))
-            if r.num_speculative_tokens is not None:
-                k = min(k, r.num_speculative_tokens)
-            out.append(k)
+            out.append(cfg.k_for_batch_size(len(requests)))  # batch size: the step's decoding requests
         return out
 
     def observe(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
-        cfg = request.spec_config
-        if cfg is None or cfg.num_speculative_tokens_schedule != "heuristic":
-            return
-        k_max = cfg.num_speculative_tokens
-        k_now = request.num_speculative_tokens or k_max
-        full = num_accepted == num_draft_tokens
-        request.num_speculative_tokens = min(k_now + 2, k_max) if full else max(k_now - 1, 1)
+        """Nothing to learn: the configured k does not depend on outcomes."""

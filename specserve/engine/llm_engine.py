@@ -20,9 +20,11 @@ from typing import Any
 
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.draft_length import AdaptiveK
 from specserve.engine.cpu_threads import resolve_cpu_threads, use_cpu_threads
 from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.step_cost import StepCostModel, load_or_measure
 from specserve.engine.step_plan import ScheduledRequest, StepPlan
 from specserve.engine.stop import commit_tokens, visible_text_len
 from specserve.grammar.compiler import GrammarCompiler
@@ -110,6 +112,7 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
+        self.adaptive: AdaptiveK | None = None  # the scheduler's k policy from the first adaptive config on
         if config.speculative_config is not None:
             self.prepare_speculative_config(config.speculative_config)
 
@@ -162,7 +165,30 @@ class LLMEngine:
         key = proposer_key(spec_config)
         if key not in self._proposers:
             self._proposers[key] = make_proposer(spec_config, self.proposer_context)
+        if spec_config.adaptive:
+            self.step_cost()
+            if hasattr(self._proposers[key], "draft_step_cost"):
+                self._proposers[key].draft_step_cost()  # measured now, not in the first step that needs it
         return self._proposers[key]
+
+    def step_cost(self, refresh: bool = False) -> StepCostModel:
+        """The target's measured step cost on this device (`specserve.engine.step_cost`): cached per model,
+        dtype and device under $SPECSERVE_HOME/step_cost, measured (a few seconds to a minute on a CPU)
+        when absent or when `refresh` (or `EngineConfig.refresh_step_cost`) asks. Uses free KV slots.
+
+        Raises:
+            RuntimeError: it must be measured and every KV slot is in use.
+        """
+        if self.adaptive is None or refresh:
+            cm = load_or_measure(self.target, max_tokens=min(32, self.config.max_num_batched_tokens),
+                                 max_seqs=min(self.config.max_num_seqs, 16),
+                                 refresh=refresh or self.config.refresh_step_cost)
+            if self.adaptive is None:
+                self.adaptive = AdaptiveK(cm, lambda cfg: self._proposers[proposer_key(cfg)])
+                self.scheduler.k_policy = self.adaptive  # it gives other configs their configured k
+            else:
+                self.adaptive.step_cost = cm
+        return self.adaptive.step_cost
 
     def set_proposer(self, spec_config: SpeculativeConfig, proposer: Proposer) -> Proposer | None:
         """Use `proposer` for every request whose config shares `spec_config`'s proposer key (tests and
@@ -246,6 +272,8 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req
+        if spec_config is not None and spec_config.adaptive:
+            self.adaptive.add_request(req)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -273,11 +301,27 @@ class LLMEngine:
             "num_free_slots": kv.num_free_slots,
         }
 
+    def speculation_stats(self) -> dict:
+        """The adaptive schedule's state for /metrics: the measured step costs (target and draft models)
+        and, per adaptive SpeculativeConfig, how often each k was chosen and its acceptance estimates."""
+        if self.adaptive is None:
+            return {}
+        costs = {self.model_name: self.adaptive.step_cost}
+        for prop in self._proposers.values():
+            if hasattr(prop, "draft_step_cost") and getattr(prop, "_step_cost", None) is not None:
+                costs[prop.draft.files.name] = prop._step_cost
+        configs = []
+        for cfg, counts in list(self.adaptive.chosen_k.items()):
+            est = self.adaptive.tracker.config_summary(cfg, proposer_key(cfg), cfg.num_speculative_tokens)
+            configs.append({"config": cfg, "chosen_k": list(counts), "acceptance": est})
+        return {"step_cost": costs, "configs": configs}
+
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one step (docs/step-plan.md): plan (with drafting) -> one forward -> batched verify ->
         per-request commit and KV rollback. Returns an output for every request that advanced or finished."""
+        t_step = time.perf_counter()
         if self.cpu_threads is not None:
             use_cpu_threads(self.cpu_threads)
         outputs = [self._make_output(r) for r in self._aborted]
@@ -290,7 +334,9 @@ class LLMEngine:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         try:
+            t_fwd = time.perf_counter()
             logits = self.target.runner.execute(plan.model_input(self.device))
+            t_fwd = time.perf_counter() - t_fwd
             result = None
             if plan.sampled:
                 batch = SamplingBatch.build(plan.sampled, self.target.config.vocab_size, self.eos_token_ids, self.device)
@@ -300,7 +346,10 @@ class LLMEngine:
             for s in plan.scheduled:  # leave every request as it was before the step
                 kv.truncate(s.request.slot, min(s.start, kv.lengths[s.request.slot]))
             raise
-        return outputs + self._commit(plan, result)
+        outputs += self._commit(plan, result)
+        if self.adaptive is not None:
+            self.adaptive.step_cost.observe_overhead(1000 * (time.perf_counter() - t_step - t_fwd))
+        return outputs
 
     def _propose(self, asks: Sequence[tuple[Request, int]]) -> list[Proposal]:
         """The scheduler's `propose` callback: one Proposal per (request, k cap), grouped by proposer."""
@@ -358,9 +407,10 @@ class LLMEngine:
                 # when a stop ends the request on an accepted draft; so 1 + accepted / drafts stays equal to
                 # the tokens emitted per verify step.
                 self._count_spec(r, s.num_drafts, min(num_accepted, n - 1), n)
-                self.scheduler.k_policy.observe(r, s.num_drafts, num_accepted)
             r.num_computed_tokens += 1 + min(num_accepted, n)  # drafts after a stop are not committed
             self.target.kv.truncate(r.slot, r.num_computed_tokens)  # roll back the rejected drafts
+            if r.spec_config is not None:  # every decode step, also one without drafts (k = 0)
+                self.scheduler.k_policy.observe(r, s.num_drafts, num_accepted)
         if r.finish_reason is not None:
             self._finish(r)
         return self._make_output(r)
@@ -377,6 +427,8 @@ class LLMEngine:
         self.scheduler.remove(r)
         if r.spec_config is not None:
             self._proposers[proposer_key(r.spec_config)].finish_request(r.request_id, r.all_token_ids)
+            if r.spec_config.adaptive:
+                self.adaptive.finish_request(r)
         self.requests.pop(r.request_id, None)
 
     def _make_output(self, r: Request) -> RequestOutput:

@@ -3,7 +3,8 @@
 What it does, in `schedule(propose)`: (1) every decoding request gets its newest token; (2) each gets
 a k cap, decided in one place (`speculation_caps`: the `k_policy` hook says what it wants, then
 max_tokens, the context length and the token budget cap it, FCFS); (3) the proposers draft within those
-caps (the `propose` callback the engine passes); (4) prompts are prefilled in chunks with the budget the
+caps (the `propose` callback the engine passes; a policy that decides k from the drafts themselves,
+such as the adaptive schedule, drafts through it and cuts the drafts, never above the caps); (4) prompts are prefilled in chunks with the budget the
 decodes and their real drafts left, continuing partial prefills first, then admitting waiting requests
 while KV slots are free; (5) the plan is fixed. Requests join and leave between steps.
 What it does not do: draft (the callback does), run the model, or commit tokens (the engine does).
@@ -87,7 +88,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.in_prefill][: self.budget]
         caps = self.speculation_caps(decoding)
         asks = [(r, k) for r, k in zip(decoding, caps) if k > 0]
-        proposals = list(propose(asks)) if asks and propose is not None else []
+        proposals = self._draft(asks, propose, len(decoding)) if asks and propose is not None else []
         if asks and propose is not None and len(proposals) != len(asks):
             raise RuntimeError(f"propose returned {len(proposals)} proposals for {len(asks)} requests")
         by_req = {id(r): (k, p) for (r, k), p in zip(asks, proposals)}
@@ -121,6 +122,33 @@ class Scheduler:
             budget -= k
             caps.append(k)
         return caps
+
+    def _draft(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, num_decoding: int) -> list[Proposal]:
+        """Drafts for the capped asks: `propose(asks)`, or, when the policy decides k from the drafts
+        themselves (a `DraftingKPolicy`, e.g. the adaptive schedule), the policy's `draft`, told what
+        else the step holds (the decodes without drafts and the prompt chunks that would follow)."""
+        draft = getattr(self.k_policy, "draft", None)
+        if draft is None:
+            return list(propose(asks))
+        tokens, seqs = self.estimate_prefill(self.budget - num_decoding)
+        rest = num_decoding - len(asks)
+        return list(draft(asks, propose, num_other_tokens=rest + tokens, num_other_seqs=rest + seqs))
+
+    def estimate_prefill(self, budget: int) -> tuple[int, int]:
+        """(tokens, sequences) that `schedule_prefills(budget)` would schedule now, without changing
+        anything (the adaptive schedule counts them in the step's cost before the drafts are final)."""
+        tokens = seqs = 0
+        free = self.kv.num_free_slots
+        for req in [r for r in self.running if r.in_prefill] + list(self.waiting):
+            if budget <= 0:
+                break
+            if req.status is RequestStatus.WAITING:
+                if free <= 0:
+                    break
+                free -= 1
+            n = min(req.num_prompt_tokens - req.num_computed_tokens, budget)
+            tokens, seqs, budget = tokens + n, seqs + 1, budget - n
+        return tokens, seqs
 
     def schedule_prefills(self, budget: int) -> list[ScheduledRequest]:
         """Prompt chunks within `budget` tokens, continuing partial prefills first, then admitting

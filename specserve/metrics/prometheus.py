@@ -13,12 +13,15 @@ Series (every per-request series is labelled by `profile`):
   specserve:spec_decode_num_accepted_tokens_total, specserve:spec_decode_num_accepted_tokens_per_pos_total{position}
   They are added when a request finishes (ok, error or cancelled), from the same `SpecStats` the
   response body reports, so the counters equal the sum of the per-response numbers.
+- the adaptive schedule (`SpeculationCollector`): measured step costs, steps by chosen k and the
+  acceptance estimates per profile (profiles with identical configs report the same numbers).
 What it does not do: per-step engine timings (the engine owns those) or HTTP (api.py serves `render()`).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specserve.outputs import SpecStats
@@ -68,6 +71,8 @@ class ServerMetrics:
         self.num_accepted_per_pos = Counter("specserve:spec_decode_num_accepted_tokens_per_pos",
                                             "Draft tokens accepted at each draft position",
                                             ["profile", "position"], registry=r)
+        self.speculation = SpeculationCollector()
+        r.register(self.speculation)
         info = Gauge("specserve:model_info", "Served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         for p in profiles:  # make every profile's series exist from the start (at zero)
@@ -125,5 +130,64 @@ class ServerMetrics:
             self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
         self.in_flight.set(in_flight)
 
+    def set_speculation(self, stats: dict | None, profiles: dict) -> None:
+        """The engine's `speculation_stats()` and the profiles (name -> Profile), for the adaptive
+        schedule's series (see `SpeculationCollector`)."""
+        self.speculation.update(stats or {}, profiles)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpeculationCollector:
+    """The adaptive schedule's state, exported at scrape time from the engine's last `speculation_stats()`:
+
+    - specserve:step_cost_forward_seconds{model, num_tokens}: measured forward time of one sequence with
+      that many new tokens (the target, and each draft model in use), `specserve.engine.step_cost`;
+    - specserve:step_cost_seq_extra_seconds{model, num_seqs}: what that many sequences add over one;
+    - specserve:step_cost_overhead_seconds{model}: the step time outside the forward (EMA, the target);
+    - specserve:spec_decode_adaptive_steps_total{profile, k}: decode steps in which the adaptive schedule
+      chose k drafts for a request of the profile (k = 0: a plain decode);
+    - specserve:spec_decode_acceptance_estimate{profile, position}: the profile's current estimate of
+      the conditional acceptance at each draft position (1-based).
+    """
+
+    def __init__(self) -> None:
+        self._stats: dict = {}
+        self._profiles: dict = {}
+
+    def update(self, stats: dict, profiles: dict) -> None:
+        self._stats, self._profiles = stats, dict(profiles)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self._stats
+        fwd = GaugeMetricFamily("specserve:step_cost_forward_seconds",
+                                "Measured forward time of one sequence with num_tokens new tokens",
+                                labels=["model", "num_tokens"])
+        extra = GaugeMetricFamily("specserve:step_cost_seq_extra_seconds",
+                                  "Measured extra forward time of num_seqs sequences over one", labels=["model", "num_seqs"])
+        over = GaugeMetricFamily("specserve:step_cost_overhead_seconds", "Step time outside the forward (EMA)",
+                                 labels=["model"])
+        for model, cm in (stats.get("step_cost") or {}).items():
+            for t, ms in zip(cm.tokens, cm.token_ms):
+                fwd.add_metric([model, str(t)], ms / 1000)
+            for b, ms in zip(cm.seqs, cm.seq_extra_ms):
+                extra.add_metric([model, str(b)], ms / 1000)
+            over.add_metric([model], cm.overhead_ms / 1000)
+        steps = CounterMetricFamily("specserve:spec_decode_adaptive_steps",
+                                    "Decode steps in which the adaptive schedule chose k drafts", labels=["profile", "k"])
+        est = GaugeMetricFamily("specserve:spec_decode_acceptance_estimate",
+                                "Current estimate of the conditional acceptance at each draft position",
+                                labels=["profile", "position"])
+        for c in stats.get("configs") or []:
+            for name, p in self._profiles.items():
+                if p.spec_config != c["config"]:
+                    continue
+                for k, n in enumerate(c["chosen_k"]):
+                    steps.add_metric([name, str(k)], n)
+                for j, a in enumerate(c["acceptance"], start=1):
+                    est.add_metric([name, str(j)], a)
+        yield from (fwd, extra, over, steps, est)

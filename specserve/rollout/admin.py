@@ -6,6 +6,12 @@ server was started without --admin-token / SPECSERVE_ADMIN_TOKEN the admin API i
 - PUT  /admin/weights    body {"weights": {name: number}}: replaces all weights (missing names get 0),
                          ends a revert to baseline. 400 for unknown names or fields, a weight that is not a
                          number in [0, 1e9], or an all-zero set; 409 while a staged rollout is running or paused (it owns the weights).
+- POST /admin/profiles   body {"name": str, "config": speculative config or null, "weight": number (default 0)}:
+                         adds a profile at run time (201); its proposer is prepared on the engine first
+                         (a draft model loaded, the step cost measured for an adaptive schedule). 400 for
+                         a bad name, weight or config, 409 when the name exists, 404 where no engine can
+                         prepare one (the gateway). Weight 0 = reachable by an explicit override only
+                         (a sweep uses it this way).
 - POST /admin/rollback   revert to baseline: all new traffic (explicit overrides too) to `baseline`;
                          ends a staged rollout as "reverted".
 - GET  /admin/rollout    the staged rollout: plan, state, step, weights, last gate figures, history.
@@ -24,14 +30,17 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 
-from specserve.config import ConfigError
+from specserve.config import ConfigError, SpeculativeConfig
+from specserve.hub import ModelError
 from specserve.inputs import InvalidRequestError
 from specserve.rollout.controller import RolloutConflict, RolloutController
 from specserve.rollout.plan import plan_from_dict
-from specserve.rollout.policy import RolloutPolicy
+from specserve.rollout.policy import ProfileExists, RolloutPolicy
+from specserve.rollout.profiles import MAX_WEIGHT, valid_profile_name
 from specserve.server.errors import APIError
 from specserve.server.parsing import parse_json_body
 
@@ -63,8 +72,11 @@ def check_admin(request: Request, token: str | None) -> None:
         )
 
 
-def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutController | None = None) -> APIRouter:
-    """The /admin routes; without a controller the /admin/rollout routes answer 404."""
+def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutController | None = None,
+                 prepare: Callable[[SpeculativeConfig], Awaitable[Any]] | None = None) -> APIRouter:
+    """The /admin routes; without a controller the /admin/rollout routes answer 404, without `prepare`
+    (which readies a profile added at run time on the engine, raising ConfigError when it cannot)
+    POST /admin/profiles does."""
     router = APIRouter(prefix="/admin")
 
     def check(request: Request) -> None:
@@ -97,6 +109,45 @@ def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutCo
         except RolloutConflict as e:
             raise _conflict(e) from None
         logger.warning("admin: weights set to %s (version %d)", state["weights"], state["version"])
+        return state
+
+    @router.post("/profiles", status_code=201)
+    async def add_profile(request: Request):
+        check(request)
+        if prepare is None:
+            raise APIError(404, "adding profiles at run time is not available here", code="profiles_unavailable")
+        body = await _json_body(request)
+        if not isinstance(body, dict) or "name" not in body or "config" not in body:
+            raise APIError(400, 'body must be {"name": str, "config": speculative config or null, "weight": number}',
+                           param="name")
+        unknown = sorted(set(body) - {"name", "config", "weight"})
+        if unknown:
+            raise APIError(400, f"unknown key(s) {unknown}; valid: ['name', 'config', 'weight']", param=unknown[0])
+        name, weight = body["name"], body.get("weight", 0.0)
+        if not isinstance(name, str) or not valid_profile_name(name):
+            raise APIError(400, f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -", param="name")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= float(weight) <= MAX_WEIGHT:
+            raise APIError(400, f"weight must be a number in [0, {MAX_WEIGHT:g}], got {weight!r}", param="weight")
+        if name in policy.profiles:
+            raise APIError(409, f"profile {name!r} already exists", param="name", code="profile_exists")
+        if weight and controller is not None and controller.active:
+            raise APIError(409, "a staged rollout owns the weights while it runs; add the profile with weight 0",
+                           param="weight", code="rollout_conflict")
+        try:
+            spec_config = SpeculativeConfig.from_dict(body["config"])
+            if spec_config is not None:
+                await prepare(spec_config)  # builds its proposer, loads a draft model, measures the step cost
+        except (ConfigError, ModelError) as e:
+            raise APIError(400, f"profile {name!r}: {e}", param="config") from None
+        except RuntimeError as e:  # e.g. no free KV slot to measure the step cost with
+            raise APIError(503, f"profile {name!r} cannot be prepared now: {e}", code="engine_busy",
+                           headers={"Retry-After": "5"}) from None
+        try:
+            state = policy.add_profile(name, spec_config, float(weight))
+        except ProfileExists as e:  # added meanwhile by a concurrent call
+            raise APIError(409, str(e), param="name", code="profile_exists") from None
+        logger.warning("admin: profile %s added: %s (weight %s, version %d)", name,
+                       spec_config.to_dict() if spec_config else None, weight, state["version"])
         return state
 
     @router.post("/rollback")

@@ -8,6 +8,7 @@ What it does:
   stable hash (blake2b of the key -> a point u in [0, 1), walked over the cumulative weights in profile
   order), so a user stays on one profile while the weights stay the same; raising the weight of the
   first listed profiles only moves users onto them. Without a key the draw is random.
+- `add_profile()` adds a named profile at run time (weight 0 unless given), e.g. for a sweep.
 - `set_weights()` and `revert_to_baseline()` change the weights for the NEXT request; a request that
   already chose keeps its profile (the choice is an immutable snapshot). `revert_to_baseline()` is the
   one way a rollout is undone: all traffic, explicit overrides included, goes to `baseline` (or the
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.config import ConfigError
-from specserve.rollout.profiles import BASELINE, Profile, ProfileSet, check_weights
+from specserve.rollout.profiles import BASELINE, Profile, ProfileSet, check_weights, valid_profile_name
 
 
 # Set only by the server's own shadow replays (`shadow.replay_in_process`): forces the candidate for that
@@ -42,6 +43,10 @@ class UnknownProfile(ValueError):
 
 class ProfileForbidden(PermissionError):
     """The request named a profile but the server does not allow overrides (HTTP 403)."""
+
+
+class ProfileExists(ValueError):
+    """A profile of that name exists already (HTTP 409)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,22 @@ class RolloutPolicy:
             self._bump()
         return self.state()
 
+    def add_profile(self, name: str, spec_config: Any, weight: float = 0.0) -> dict[str, Any]:
+        """Add a profile at run time (next to the ones the server started with), with a weight
+        (default 0: reachable by explicit override only). Raises ConfigError: bad or taken name, bad
+        weight. `spec_config` is an already validated SpeculativeConfig (None: no speculation)."""
+        if not isinstance(name, str) or not valid_profile_name(name):
+            raise ConfigError(f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= float(weight) < float("inf"):
+            raise ConfigError(f"weight must be a finite number >= 0, got {weight!r}")
+        with self._lock:
+            if name in self.profiles:
+                raise ProfileExists(f"profile {name!r} already exists; profiles: {list(self.profiles)}")
+            self.profiles[name] = Profile(name, spec_config)
+            self._weights[name] = float(weight)
+            self._bump()
+        return self.state()
+
     def revert_to_baseline(self, baseline: str = BASELINE) -> dict[str, Any]:
         """Revert to baseline: every new request goes to `baseline` until set_weights(). Raises
         UnknownProfile for a name this policy does not have."""
@@ -164,5 +185,6 @@ class RolloutPolicy:
 
 
 __all__ = [
-    "Choice", "ConfigError", "ProfileForbidden", "RolloutPolicy", "UnknownProfile", "pick_by_point", "stable_unit",
+    "Choice", "ConfigError", "ProfileExists", "ProfileForbidden", "RolloutPolicy", "UnknownProfile", "pick_by_point",
+    "stable_unit",
 ]

@@ -76,6 +76,11 @@ class ProfileSet:
         return seen
 
 
+def valid_profile_name(name: str) -> bool:
+    """1-64 characters of letters, digits, _ . - (starting with a letter or digit)."""
+    return bool(_NAME_RE.match(name))
+
+
 MAX_WEIGHT = 1e9
 
 
@@ -106,7 +111,7 @@ def _make_profiles(raw: dict[str, Any]) -> dict[str, Profile]:
         raise ConfigError('"profiles" must be a non-empty object of name -> speculative config or null')
     profiles: dict[str, Profile] = {}
     for name, cfg in raw.items():
-        if not _NAME_RE.match(name):
+        if not valid_profile_name(name):
             raise ConfigError(f"profile name {name!r} must be 1-64 characters of letters, digits, _ . -")
         try:
             spec_config = SpeculativeConfig.from_dict(cfg)

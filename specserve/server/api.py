@@ -116,7 +116,8 @@ def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
     app.state.drain = lambda grace_s: drain(state, grace_s)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_error_handlers(app)
-    app.include_router(admin_router(policy, settings.admin_token, rollout.controller))
+    app.include_router(admin_router(policy, settings.admin_token, rollout.controller,
+                                    state.engine.add_speculative_config))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -146,6 +147,7 @@ def create_app(engine: EngineClient, profile_set: ProfileSet | None = None,
     async def metrics():
         health(state, settings.watchdog_s)
         state.metrics.set_engine_stats(state.engine.stats(), state.engine.in_flight)
+        state.metrics.set_speculation(state.engine.speculation_stats(), policy.profiles)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

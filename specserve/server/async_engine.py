@@ -16,6 +16,9 @@ What it does:
   the engine's error (an `InvalidRequestError`) before anything streams. Each step's outputs reach the request's queue as `Output(index, RequestOutput)` items,
   delivered with `loop.call_soon_threadsafe` (one call per step); RequestOutputs are deltas with
   frozen counters, so nothing is shared with the engine thread.
+- `add_speculative_config()` builds a profile added at run time (its proposer, a draft model, the step
+  cost) on the engine thread between steps; `speculation_stats()` returns the adaptive schedule's
+  state as the engine thread last read it (at most once a second).
 - `abort()` (sync, callable from any coroutine or finally block) cancels engine requests and frees
   their KV at once; the queue then gets `Aborted(index)`.
 - If `step()` raises, every request in flight gets `Failed(index, EngineDeadError)` and the engine is
@@ -96,6 +99,8 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = {}
         self.in_flight = 0  # engine requests submitted and not yet finished (event-loop thread only)
+        self._spec_stats: dict[str, Any] = {}  # engine.speculation_stats(), refreshed at most once a second
+        self._spec_stats_at = float("-inf")
         self.num_steps = 0
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> None:
@@ -117,6 +122,24 @@ class AsyncEngine:
     def dead(self) -> BaseException | None:
         """The error that stopped the engine thread, or None."""
         return self._dead
+
+    async def add_speculative_config(self, spec_config: SpeculativeConfig) -> None:
+        """Build the proposer of a profile added at run time, on the engine thread between steps (see
+        EngineClient.add_speculative_config).
+
+        Raises:
+            ConfigError, ModelError: the engine cannot build it. RuntimeError: no KV slot is free to
+                measure the step cost with. EngineDeadError: the engine is not running.
+        """
+        if self._dead is not None or not self.alive:
+            raise EngineDeadError(f"engine is not running: {self._dead!r}")
+        future = asyncio.get_running_loop().create_future()
+        self._post("call", (lambda eng: eng.prepare_speculative_config(spec_config), future))
+        await future
+
+    def speculation_stats(self) -> dict[str, Any]:
+        """The engine's `speculation_stats()` as the engine thread last read it ({} before any)."""
+        return self._spec_stats
 
     # ---- lifecycle (event-loop thread) ---------------------------------------------------------
 
@@ -273,6 +296,8 @@ class AsyncEngine:
             for kind, payload in ops:
                 if kind == "submit":
                     self._do_submit(payload)
+                elif kind == "call":
+                    self._do_call(*payload)
                 else:
                     self._do_abort(payload, batch)
             if self._dead is None and eng.has_unfinished_requests():
@@ -331,6 +356,22 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - already finished / unknown: nothing to free
             logger.debug("abort of %s ignored", cid, exc_info=True)
 
+    def _do_call(self, fn: Any, future: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result, error = None, e
+
+        def resolve() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self._call(resolve)
+
     def _fail_all(self, error: BaseException, ops: list) -> None:
         batch: list[tuple[_Submission, QueueItem]] = []
         for cid, (sub, i) in list(self._routes.items()):
@@ -340,6 +381,8 @@ class AsyncEngine:
         for kind, payload in ops:
             if kind == "submit":
                 self._call(self._resolve, payload, None, error)
+            elif kind == "call":
+                self._call(lambda f=payload[1]: f.done() or f.set_exception(error))
         if batch:
             self._call(self._deliver, batch)
         self._refresh_stats()
@@ -347,6 +390,9 @@ class AsyncEngine:
     def _refresh_stats(self) -> None:
         try:
             self._stats = dict(self.engine.stats())
+            now = time.monotonic()
+            if now - self._spec_stats_at >= 1.0:
+                self._spec_stats, self._spec_stats_at = self.engine.speculation_stats(), now
         except Exception:  # noqa: BLE001 - stats are best effort
             logger.debug("engine.stats() failed", exc_info=True)
 

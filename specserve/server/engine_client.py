@@ -2,8 +2,9 @@
 
 What it does: names everything the server needs from an engine (tokenize a prompt off the engine
 thread, submit a request's choices, abort them, live gauges, health and the watchdog's step age, the
-model's name / context length / vocabulary / checksum / tokenizer, preparing the profiles' proposers)
-as a Protocol, and types what comes back: `submit()` returns an `EngineRequest`
+model's name / context length / vocabulary / checksum / tokenizer, preparing the profiles' proposers,
+also for a profile added at run time, the adaptive schedule's state) as a Protocol, and types what
+comes back: `submit()` returns an `EngineRequest`
 whose queue yields one `QueueItem` at a time, `Output` (a step's `RequestOutput` delta for one
 choice), then a final `Output`, `Aborted` or `Failed` per choice. The server imports nothing else from
 the engine side. `AsyncEngine` (async_engine.py) implements it over an `LLMEngine`.
@@ -119,6 +120,19 @@ class EngineClient(Protocol):
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> None:
         """Build a profile's proposer now (draft models load once); call before `start`."""
+
+    async def add_speculative_config(self, spec_config: SpeculativeConfig) -> None:
+        """Build the proposer of a profile added while serving (POST /admin/profiles), between steps.
+
+        Raises:
+            ConfigError, ModelError: the engine cannot build it (e.g. a draft model with another vocabulary).
+            RuntimeError: it cannot be prepared now (no free KV slot to measure the step cost with).
+            EngineDeadError: the engine is not running.
+        """
+
+    def speculation_stats(self) -> dict[str, Any]:
+        """The adaptive schedule's state for /metrics: {"step_cost": {model: StepCostModel},
+        "configs": [{"config", "chosen_k", "acceptance"}]}; {} without an adaptive profile."""
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start generating; outputs are delivered on `loop` (default: the running loop)."""

@@ -64,6 +64,16 @@ class DraftModelProposer:
                            context.num_target_params / 1e9)
         self.target_vocab = context.vocab_size
         self.seqs: dict[str, _DraftSeq] = {}
+        self._step_cost = None
+
+    def draft_step_cost(self):
+        """The measured time of one draft forward (`StepCostModel`, cached per model and device; measured
+        on first use). The adaptive schedule charges one such forward per drafted position."""
+        if self._step_cost is None:
+            from specserve.engine.step_cost import load_or_measure
+
+            self._step_cost = load_or_measure(self.draft, max_tokens=16, max_seqs=min(self.draft.kv.num_slots, 16))
+        return self._step_cost
 
     def _seq(self, request_id: str) -> _DraftSeq:
         if request_id not in self.seqs:

@@ -108,11 +108,13 @@ class NgramProposer:
         self.prompt_lookup_max = prompt_lookup_max
 
     def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
-        """One Proposal per input, in order: 0..inp.num_speculative_tokens drafts each, draft_probs None (one-hot)."""
-        return [
-            Proposal(ngram_lookup(inp.token_ids, inp.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)[0], None)
-            for inp in inputs
-        ]
+        """One Proposal per input, in order: 0..inp.num_speculative_tokens drafts each, draft_probs None (one-hot),
+        match_len = the n-gram size that matched."""
+        out = []
+        for inp in inputs:
+            drafts, n = ngram_lookup(inp.token_ids, inp.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+            out.append(Proposal(drafts, None, match_len=n or None))
+        return out
 
     def finish_request(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Nothing to drop: the proposer keeps no per-request state."""

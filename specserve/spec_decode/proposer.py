@@ -77,10 +77,17 @@ class Proposal:
         draft_probs: float32 tensor [len(token_ids), vocab_size] with the distribution q each draft was
             sampled from (rows sum to 1), or None when the drafts are deterministic (one-hot q: n-gram,
             suffix, a greedy draft model). The rejection sampler needs the exact q the draft was drawn from.
+        match_len: how many context tokens the draft's source matched (ngram: n of the n-gram; suffix:
+            the suffix match length), or None when the proposer has no such signal.
+        confidence: per draft token, the proposer's own estimate in [0, 1] that it follows given the
+            drafts before it did (suffix: the branch frequency in its tree), or None. Not calibrated:
+            the adaptive schedule learns what each level means (`specserve.spec_decode.acceptance`).
     """
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
+    match_len: int | None = None
+    confidence: list[float] | None = None
 
 
 @runtime_checkable
@@ -97,3 +104,9 @@ class Proposer(Protocol):
         """The request finished or was aborted: drop its state (a suffix proposer may keep its output
         in a global cache of recent requests). Must not fail for an id it never saw."""
         ...
+
+
+# Optional: a proposer whose drafting time grows with k (a draft model runs one forward per drafted
+# position) has a method `draft_step_cost() -> StepCostModel` giving the time of one of its forwards;
+# the adaptive schedule then chooses k before it drafts and counts that time. A proposer without it
+# (ngram, suffix) drafts the most tokens allowed, and the schedule cuts the drafts to the chosen k.

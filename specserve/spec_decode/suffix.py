@@ -301,8 +301,15 @@ class SuffixProposer:
         return best
 
     def propose(self, inputs: list[ProposalInput]) -> list[Proposal]:
-        """One Proposal per input, in order: 0..inp.num_speculative_tokens drafts each, draft_probs None (one-hot)."""
-        return [Proposal(self.draft(inp).token_ids, None) for inp in inputs]
+        """One Proposal per input, in order: 0..inp.num_speculative_tokens drafts each, draft_probs None (one-hot),
+        match_len = the suffix match length, confidence = the branch frequency count(child) / count(parent)
+        at each position (the ratio of consecutive probability estimates)."""
+        out = []
+        for inp in inputs:
+            d = self.draft(inp)
+            cond = [p / q for p, q in zip(d.probs, [1.0] + d.probs[:-1])]  # branch frequency at each position
+            out.append(Proposal(d.token_ids, None, match_len=d.match_len or None, confidence=cond or None))
+        return out
 
     def finish_request(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Drop the request's tree; cache its output in the global tree (FIFO-evicting the oldest).

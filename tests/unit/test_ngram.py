@@ -161,7 +161,7 @@ def test_draft_model_needs_a_registered_factory():
 
 def test_proposer_key_ignores_k_only():
     a = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    b = SpeculativeConfig(method="ngram", num_speculative_tokens=8, num_speculative_tokens_per_batch_size=((4, 8),))
+    b = SpeculativeConfig(method="ngram", num_speculative_tokens=8, num_speculative_tokens_per_batch_size=[[1, 4, 8]], num_speculative_tokens_schedule="adaptive")
     c = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=6)
     d = SpeculativeConfig(method="ngram", num_speculative_tokens=3, suffix_decoding_max_tree_depth=9)
     assert proposer_key(a) == proposer_key(b) == proposer_key(d)

@@ -151,3 +151,24 @@ def test_set_weights_validation():
         with pytest.raises(ConfigError):
             pol.set_weights(bad)
     assert pol.weights == PROFILES["weights"]
+
+
+def test_add_profile_at_run_time():
+    from specserve.config import SpeculativeConfig
+    from specserve.rollout.policy import ProfileExists
+
+    pol = RolloutPolicy(profile_set_from_dict(PROFILES), allow_override=True, seed=0)
+    v = pol.state()["version"]
+    cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    st = pol.add_profile("ngram_adaptive", cfg)
+    assert st["version"] == v + 1 and st["weights"]["ngram_adaptive"] == 0.0
+    assert st["profiles"]["ngram_adaptive"]["config"]["num_speculative_tokens_schedule"] == "adaptive"
+    assert pol.choose(requested="ngram_adaptive").profile.spec_config == cfg
+    assert all(pol.choose().profile.name != "ngram_adaptive" for _ in range(50))  # weight 0: override only
+    with pytest.raises(ProfileExists):
+        pol.add_profile("suffix", cfg)
+    for name, w in (("no spaces", 0), ("", 0), ("ok", -1), ("ok", float("inf")), ("ok", True)):
+        with pytest.raises(ConfigError):
+            pol.add_profile(name, cfg, w)
+    pol.add_profile("heavy", None, 1000.0)
+    assert sum(pol.choose().profile.name == "heavy" for _ in range(50)) > 40

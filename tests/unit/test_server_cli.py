@@ -33,3 +33,17 @@ def test_profile_set_from_args(tmp_path):
 def test_serve_config_errors_exit_2(extra, capsys):
     assert main(["serve", "--model", "whatever"] + extra) == 2
     assert capsys.readouterr().err.startswith("specserve: error:")
+
+
+def test_step_cost_command(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`specserve step-cost` measures once, caches, prints the table and the JSON last line."""
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    argv = ["step-cost", "--model", str(tiny_model_dir), "--max-num-seqs", "2", "--max-model-len", "128",
+            "--max-num-batched-tokens", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    table = json.loads(out[-1])
+    assert table["schema"] == "specserve.step_cost/1" and table["tokens"] == list(range(1, 17))
+    assert "new tokens" in "\n".join(out) and len(list((tmp_path / "step_cost").glob("*.json"))) == 1
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ms"] == table["token_ms"]
+    assert main(argv + ["--refresh"]) == 0

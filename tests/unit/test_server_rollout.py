@@ -167,3 +167,55 @@ def test_metrics_agree_with_responses_and_request_log(tmp_path):
     assert r0["completion_tokens"] == 30 and r0["prompt_tokens"] > 0 and r0["ttft_s"] <= r0["e2e_s"]
     assert r0["finish_reason"] == "length,length" and r0["num_drafts"] > 0
     assert all("prompt" not in r for r in recs)
+
+
+def test_admin_adds_a_profile_at_run_time(tmp_path, monkeypatch):
+    """POST /admin/profiles validates, prepares the config on the engine thread (an adaptive one measures
+    the step cost), and the profile serves (by override at weight 0, by weight when given), no restart."""
+    from specserve.config import ConfigError
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))  # where the toy model's step cost is cached
+    client = fake_client()
+    srv = _start(tmp_path, engine=client, allow_profile_override=True)
+    try:
+        u = srv.base_url
+        new = {"method": "ngram", "num_speculative_tokens": 8, "num_speculative_tokens_schedule": "adaptive"}
+        assert httpx.post(u + "/admin/profiles", json={"name": "x", "config": new}).status_code == 401
+        bad = [({"name": "ad", "config": {"method": "ngram", "bogus": 1}}, "config"),
+               ({"name": "ad", "config": {"method": "eagle"}}, "config"),
+               ({"name": "bad name!", "config": new}, "name"),
+               ({"name": "ad", "config": new, "weight": -1}, "weight"),
+               ({"name": "ad", "config": new, "weight": True}, "weight"),
+               ({"name": "ad", "config": new, "extra": 1}, "extra"),
+               ({"config": new}, "name")]
+        for body, param in bad:
+            r = httpx.post(u + "/admin/profiles", json=body, headers=AUTH)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert httpx.post(u + "/admin/profiles", content=b"{", headers=AUTH).status_code == 400
+        r = httpx.post(u + "/admin/profiles", json={"name": "ngram_4", "config": new}, headers=AUTH)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "profile_exists"
+        assert client.engine.adaptive is None
+        r = httpx.post(u + "/admin/profiles", json={"name": "ad", "config": new}, headers=AUTH)
+        assert r.status_code == 201, r.text
+        st = r.json()
+        assert st["profiles"]["ad"]["config"]["num_speculative_tokens_schedule"] == "adaptive"
+        assert st["weights"]["ad"] == 0.0 and client.engine.adaptive is not None  # step cost measured
+        c = _client(srv)
+        assert _profile(c, extra_body={"profile": "ad"}) == "ad"
+        assert {_profile(c) for _ in range(6)} <= {"baseline", "ngram_4"}  # weight 0: no traffic of its own
+        r = httpx.post(u + "/admin/profiles", json={"name": "all_in", "config": None, "weight": 5}, headers=AUTH)
+        assert r.status_code == 201 and r.json()["weights"]["all_in"] == 5.0
+        assert httpx.put(u + "/admin/weights", json={"weights": {"ad": 1}}, headers=AUTH).status_code == 200
+        assert {_profile(c) for _ in range(4)} == {"ad"}
+        # the engine cannot prepare it (e.g. a draft model with another vocabulary): 400, nothing added
+
+        def refuse(cfg):
+            raise ConfigError("draft model does not share the target's tokenizer")
+
+        client.engine.prepare_speculative_config = refuse
+        r = httpx.post(u + "/admin/profiles", json={"name": "d", "config": {"method": "draft_model", "model": "m"}},
+                       headers=AUTH)
+        assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+        assert "d" not in httpx.get(u + "/admin/profiles", headers=AUTH).json()["profiles"]
+    finally:
+        srv.stop()

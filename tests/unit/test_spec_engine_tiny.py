@@ -3,6 +3,8 @@ and in mixed batches; stats invariants; stop/length handling inside accepted blo
 (docs/speculation-cases.md B01, B02, B06, B07, B08, B10, B25, B26 at small scale; the real-model versions live in
 tests/e2e.)"""
 
+import dataclasses
+
 import pytest
 
 from specserve import LLM, SamplingParams
@@ -160,22 +162,99 @@ def test_seeded_sampling_reproducible_under_spec(llm, tiny_model_dir, other_tiny
             assert alone == llm.generate(PROMPTS[0], p, speculative_config=None)[0].outputs[0].token_ids
 
 
-def test_heuristic_k_schedule(llm, base, tiny_model_dir):
-    """The 'heuristic' schedule keeps output identical and shrinks k when drafts are rejected."""
+def adaptive(cfg: SpeculativeConfig) -> SpeculativeConfig:
+    return dataclasses.replace(cfg, num_speculative_tokens_schedule="adaptive")
+
+
+def test_adaptive_schedule_is_lossless(llm, base, tiny_model_dir, other_tiny_dir):
+    """The adaptive schedule changes k step by step; greedy output stays the target's, alone and in a
+    batch mixing adaptive, constant and no speculation, for every method."""
     eng = llm.engine
-    cfg = SpeculativeConfig("ngram", 8, prompt_lookup_min=3, prompt_lookup_max=3, num_speculative_tokens_schedule="heuristic")
-    truth = {tuple(eng.encode_prompt(p)): base[p].token_ids for p in PROMPTS}
-    wrong = WrongProposer(truth, eng.target.config.vocab_size)
-    with eng.using_proposer(cfg, wrong):
+    cfgs = {n: adaptive(c) for n, c in spec_configs(tiny_model_dir, other_tiny_dir, 8).items()}
+    for name, cfg in cfgs.items():
         out = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=cfg)[0].outputs[0]
-    assert out.token_ids == base[PROMPTS[0]].token_ids
-    sizes = [len(d) for d in wrong.proposed]
-    assert sizes[:8] == [8, 7, 6, 5, 4, 3, 2, 1] and set(sizes[8:]) == {1}
-    # all-accepted drafts (the target drafting for itself) keep k at its maximum
-    self_cfg = SpeculativeConfig("draft_model", 4, model=str(tiny_model_dir), num_speculative_tokens_schedule="heuristic")
-    out = llm.generate(PROMPTS[0], SamplingParams(**GREEDY), speculative_config=self_cfg)[0].outputs[0]
-    assert out.token_ids == base[PROMPTS[0]].token_ids and out.num_accepted_tokens == out.num_draft_tokens
-    # every step but the last (capped by max_tokens) verified 4 drafts
-    assert out.num_draft_tokens >= 4 * (out.num_drafts - 1) + 1
-    with pytest.raises(Exception, match="schedule"):
-        SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="sometimes")
+        assert out.token_ids == base[PROMPTS[0]].token_ids, name
+    plan = [(p, cfg) for p in PROMPTS for cfg in list(cfgs.values()) + [SpeculativeConfig("ngram", 3), None]]
+    subs = [Submission(f"ad-{i}", p, SamplingParams(**GREEDY), cfg) for i, (p, cfg) in enumerate(plan)]
+    done = {rid: st.final for rid, st in run_engine(eng, subs).items()}
+    for i, (p, cfg) in enumerate(plan):
+        assert done[f"ad-{i}"].token_ids == base[p].token_ids, (cfg, p)
+    assert eng.stats()["num_kv_tokens"] == 0 and eng.adaptive.tracker.num_requests == 0
+    chosen = eng.adaptive.chosen_k[cfgs["ngram"]]
+    assert sum(chosen) > 0 and len([k for k, n in enumerate(chosen) if n]) > 1  # k did change
+
+
+@pytest.fixture
+def random_k(monkeypatch):
+    """Replace the adaptive choice with a random k per request and step (0 included)."""
+    import random
+
+    from specserve.engine import draft_length
+    from specserve.spec_decode.adaptive import Choice
+
+    rng = random.Random(3)
+
+    def choose(options, step_ms, **kw):
+        return Choice([rng.randint(0, len(o.acceptance)) for o in options], 0.0, 0.0, 0.0)
+
+    monkeypatch.setattr(draft_length, "choose_draft_lengths", choose)
+
+
+def test_any_k_sequence_gives_the_same_tokens(llm, base, tiny_model_dir, random_k):
+    """Losslessness does not depend on the choice: random k every step (0 included) gives the greedy
+    tokens of the target, and seeded sampled tokens equal to those without speculation (one-hot drafts:
+    ngram, suffix, a greedy draft model)."""
+    eng = llm.engine
+    for cfg in (SpeculativeConfig("ngram", 6, prompt_lookup_min=1, prompt_lookup_max=4), SpeculativeConfig("suffix", 6),
+                SpeculativeConfig("draft_model", 6, model=str(tiny_model_dir))):
+        cfg = adaptive(cfg)
+        outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=cfg)
+        for p, o in zip(PROMPTS, outs):
+            assert o.outputs[0].token_ids == base[p].token_ids, (cfg.method, p)
+        assert len([n for n in eng.adaptive.chosen_k[cfg] if n]) > 2
+        if cfg.method == "draft_model":
+            continue
+        for seed in (1, 2):
+            p = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=24, ignore_eos=True)
+            ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, speculative_config=None)]
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, speculative_config=cfg)]
+            assert got == ref, (cfg.method, seed)
+
+
+class RandomK:
+    """A KPolicy (the step plan's hook) that wants a random k per request and step, 0 included; the
+    scheduler's caps still apply after it."""
+
+    def __init__(self, seed: int):
+        import random
+
+        self.rng, self.verified = random.Random(seed), []
+
+    def choose(self, requests, max_draft_tokens):
+        return [self.rng.randint(0, 8) for _ in requests]
+
+    def observe(self, request, num_draft_tokens, num_accepted):
+        self.verified.append(num_draft_tokens)
+
+
+def test_k_policy_never_changes_committed_tokens(llm, base, tiny_model_dir, monkeypatch):
+    """On the step plan: whatever k the scheduler's k policy chooses per request and step (0 included),
+    in one batch of greedy and seeded sampled requests over ngram, suffix and a greedy draft model, the
+    greedy tokens are the target's and the seeded ones those drawn without speculation."""
+    eng = llm.engine
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True) for s in (5, 6)]
+    ref = {(p, sp.seed): o.outputs[0].token_ids for sp in sampled
+           for p, o in zip(PROMPTS, llm.generate(PROMPTS, sp, speculative_config=None))}
+    policy = RandomK(7)
+    monkeypatch.setattr(eng.scheduler, "k_policy", policy)
+    cfgs = [SpeculativeConfig("ngram", 8, prompt_lookup_min=1, prompt_lookup_max=4), SpeculativeConfig("suffix", 8),
+            SpeculativeConfig("draft_model", 8, model=str(tiny_model_dir))]
+    plan = [(p, cfg, sp) for p in PROMPTS for cfg in cfgs for sp in [SamplingParams(**GREEDY)] + sampled
+            if sp.temperature == 0 or cfg.method != "draft_model"]  # a sampling draft model: seeded per k only
+    subs = [Submission(f"rk-{i}", p, sp, cfg) for i, (p, cfg, sp) in enumerate(plan)]
+    done = {rid: st.final for rid, st in run_engine(eng, subs).items()}
+    for i, (p, cfg, sp) in enumerate(plan):
+        want = base[p].token_ids if sp.temperature == 0 else ref[(p, sp.seed)]
+        assert done[f"rk-{i}"].token_ids == want, (cfg.method, sp.seed, p)
+    assert 0 in policy.verified and len(set(policy.verified)) > 3  # k = 0 steps and several block sizes
+    assert eng.stats()["num_kv_tokens"] == 0

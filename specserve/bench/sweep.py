@@ -1,0 +1,295 @@
+"""`specserve sweep`: benchmark methods x k (and the adaptive schedule) x concurrency x workload
+segments, and recommend a profile per (segment, concurrency).
+
+Two ways to reach servers:
+- one running specserve server (`--base-url`, `--admin-token`): every profile of the sweep is added at
+  run time through `POST /admin/profiles` (weight 0, so no user traffic reaches it) and chosen per
+  request with the `profile` field (the server needs --allow-profile-override); no restart.
+- external servers (`--server-cmd TEMPLATE`), e.g. one vLLM server per config: for each profile the
+  template is started in a shell with {port}, {speculative_config} (JSON, or empty for the baseline)
+  and {speculative_config_arg} (`--speculative-config '<json>'`, or empty) filled in, polled until
+  GET /health answers (`bench.server_process`), benchmarked with the server's default profile, and stopped.
+
+What a sweep runs: for every repeat, segment and concurrency, every profile (the baseline first in the
+list, the order rotated from run to run so that machine noise hits every profile alike) sends the same
+requests of that segment alone (a homogeneous batch: the recommendation is for that workload at that
+concurrency), greedy, closed loop. Each (repeat, concurrency) draws its own prompts (seeded), so a
+suffix tree never holds the answer of a prompt it is asked again; on one server each suffix profile also
+gets its own proposer (its `suffix_decoding_max_cached_requests` is lowered by a few, which only makes
+it a different proposer key), so one profile's outputs never feed another's tree. Metrics per run are
+the bench runner's (`bench.metrics.summarize`); `sweep_select` turns them into speedups, medians,
+spreads and the recommendation.
+What it does not do: print or write files (`sweep_cli.py`), or draw (`sweep_report.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from specserve.bench import client as bclient
+from specserve.bench import datasets, metrics, prom
+from specserve.bench.sweep_select import BASELINE, recommend, recommended_profiles, summarize_runs
+
+SCHEMA = "specserve.sweep/1"
+METHOD_DEFAULTS = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4}}  # as the demo's ngram profile
+
+
+class SweepError(RuntimeError):
+    """The sweep cannot go on (a server refused a profile, did not start, or requests failed)."""
+
+
+@dataclass
+class SweepConfig:
+    """What to sweep and against what (see the module docstring; `specserve sweep --help`)."""
+
+    base_url: str | None = None
+    admin_token: str | None = None
+    server_cmd: str | None = None
+    server_timeout_s: float = 600.0
+    model: str | None = None
+    methods: list[str] = field(default_factory=lambda: ["ngram", "suffix"])
+    ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8])
+    adaptive: bool = True
+    method_options: dict[str, dict] = field(default_factory=dict)
+    concurrency: list[int] = field(default_factory=lambda: [1, 4])
+    segments: list[str] = field(default_factory=lambda: ["code", "edit", "chat"])
+    num_prompts: int = 4
+    max_tokens: int = 64
+    max_prompt_chars: int = 1500
+    repeats: int = 2
+    seed: int = 0
+    warmup: int = 1
+    min_noise: float = 0.02
+    timeout_s: float = 600.0
+    progress: bool = True
+
+
+def plan_profiles(cfg: SweepConfig) -> dict[str, dict | None]:
+    """name -> speculative config dict: baseline, `<method>_k<k>` for every method and k, and
+    `<method>_adaptive` (k = the largest k) when `cfg.adaptive`."""
+    from specserve.config import SpeculativeConfig
+
+    out: dict[str, dict | None] = {BASELINE: None}
+    for m in cfg.methods:
+        extra = {**METHOD_DEFAULTS.get(m, {}), **cfg.method_options.get(m, {})}
+        for k in cfg.ks:
+            out[f"{m}_k{k}"] = {"method": m, "num_speculative_tokens": k, **extra}
+        if cfg.adaptive:
+            out[f"{m}_adaptive"] = {"method": m, "num_speculative_tokens": max(cfg.ks), **extra,
+                                    "num_speculative_tokens_schedule": "adaptive"}
+    for name, c in out.items():  # a bad method or option fails here, before any server work
+        SpeculativeConfig.from_dict(c)
+    return out
+
+
+def served_configs(profiles: dict[str, dict | None], tag: str) -> dict[str, dict | None]:
+    """The configs as added to one shared server: each suffix profile its own proposer (see the module
+    docstring). The offsets depend on the sweep's tag, so a second sweep on the same server gets new ones."""
+    out = {}
+    base = int(hashlib.sha256(tag.encode()).hexdigest(), 16) % 4000
+    for i, (name, c) in enumerate(profiles.items()):
+        if c and c["method"] == "suffix":
+            c = {**c, "suffix_decoding_max_cached_requests":
+                 max(1, c.get("suffix_decoding_max_cached_requests", 10000) - 1 - base - i)}
+        out[name] = c
+    return out
+
+
+def samples_for(cfg: SweepConfig, segment: str, repeat: int, concurrency: int) -> list:
+    """The requests of one (segment, repeat, concurrency): greedy, seeded, fresh per repeat and concurrency."""
+    seed = cfg.seed + 1000 * repeat + concurrency
+    samples, _ = datasets.load_samples(segment, cfg.num_prompts, seed, cfg.max_tokens, cfg.max_prompt_chars)
+    for s in samples:
+        s.temperature = 0.0
+        s.max_tokens = min(s.max_tokens, cfg.max_tokens)
+    return samples
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    shift %= len(names)
+    return names[shift:] + names[:shift]
+
+
+# ---- one running specserve server -------------------------------------------------------------------------
+
+
+async def add_profiles(cl: httpx.AsyncClient, root: str, token: str | None, configs: dict[str, dict | None]) -> None:
+    """POST /admin/profiles for each (speculative) config; checks overrides are allowed.
+
+    Raises:
+        SweepError: the admin API is off, the token is wrong, overrides are off, or a profile is refused.
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    r = await cl.get(root + "/admin/profiles", headers=headers)
+    if r.status_code != 200:
+        raise SweepError(f"GET {root}/admin/profiles answered {r.status_code}: {_err(r)} "
+                         "(start the server with --admin-token and pass the same --admin-token here)")
+    state = r.json()
+    if not state.get("allow_profile_override"):
+        raise SweepError(f"the server at {root} does not allow choosing a profile per request; "
+                         "start it with --allow-profile-override")
+    for name, c in configs.items():
+        if name in state["profiles"]:
+            continue
+        r = await cl.post(root + "/admin/profiles", headers=headers, json={"name": name, "config": c, "weight": 0},
+                          timeout=1800)
+        if r.status_code != 201:
+            raise SweepError(f"the server refused profile {name}: HTTP {r.status_code}: {_err(r)}")
+
+
+def _err(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:300]
+
+
+async def _run_one(cl, cfg: SweepConfig, base_url: str, model: str, samples: list, profile: str | None,
+                   concurrency: int, bar) -> dict:
+    murl = prom.metrics_url(base_url)
+    before = await prom.scrape(cl, murl)
+    records, wall = await bclient.run_load(cl, base_url, samples, model, concurrency=concurrency, profile=profile,
+                                           on_done=(lambda _r: bar.update(1)) if bar else None)
+    after = await prom.scrape(cl, murl)
+    m = metrics.summarize(records, wall)
+    if "acceptance_source" not in m:  # not a specserve server: acceptance from /metrics deltas, if any
+        m.update(prom.acceptance_from_delta(prom.delta(before, after), profile))
+    errors = [r.error for r in records if r.error]
+    if errors:
+        m["first_error"] = errors[0]
+    return m
+
+
+async def sweep_server(cfg: SweepConfig, profiles: dict[str, dict | None], tag: str) -> list[dict]:
+    """Run the sweep against one running specserve server (profiles added through the admin API)."""
+    base_url = cfg.base_url.rstrip("/")
+    root = base_url[:-3] if base_url.endswith("/v1") else base_url
+    names = [f"sweep{tag}.{n}" if n != BASELINE else BASELINE for n in profiles]
+    served = dict(zip(names, served_configs(profiles, tag).values()))
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=limits) as cl:
+        from specserve.bench.runner import discover_model
+
+        model = cfg.model or await discover_model(cl, base_url)
+        await add_profiles(cl, root, cfg.admin_token, {n: c for n, c in served.items() if n != BASELINE})
+        return await _sweep_loop(cl, cfg, base_url, model, dict(zip(names, profiles)))
+
+
+async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map: dict[str, str],
+                      only: str | None = None, bar=None) -> list[dict]:
+    """Every repeat x segment x concurrency x profile of `name_map` (served name -> sweep name); with
+    `only`, one profile (external servers, where the server is the profile)."""
+    served_names = list(name_map) if only is None else [only]
+    own_bar = bar is None
+    if own_bar:
+        total = cfg.repeats * len(cfg.segments) * len(cfg.concurrency) * len(served_names) * cfg.num_prompts
+        bar = tqdm(total=total, desc="sweep", unit="req", file=sys.stderr, disable=not cfg.progress)
+    runs = []
+    try:
+        if cfg.warmup > 0:
+            warm, _ = datasets.load_samples(",".join(cfg.segments), cfg.warmup, cfg.seed + 1_000_003,
+                                            min(cfg.max_tokens, 16), cfg.max_prompt_chars)
+            for n in served_names:
+                bar.set_description(f"warm-up {name_map[n]}")
+                await bclient.run_load(cl, base_url, warm, model, concurrency=1, profile=None if only else n)
+        i = 0
+        for rep in range(cfg.repeats):
+            for seg in cfg.segments:
+                for conc in cfg.concurrency:
+                    samples = samples_for(cfg, seg, rep, conc)
+                    for n in rotated(served_names, i):
+                        bar.set_description(f"#{rep} {seg} c={conc} {name_map[n]}")
+                        m = await _run_one(cl, cfg, base_url, model, samples, None if only else n, conc, bar)
+                        runs.append({"repeat": rep, "segment": seg, "concurrency": conc, "profile": name_map[n],
+                                     "metrics": m})
+                    i += 1
+    finally:
+        if own_bar:
+            bar.close()
+    return runs
+
+
+# ---- external servers (one per profile, from a command template) ----------------------------------------
+
+
+def format_command(template: str, port: int, config: dict | None) -> str:
+    """Fill {port}, {speculative_config} and {speculative_config_arg} (empty for the baseline)."""
+    text = json.dumps(config) if config else ""
+    arg = f"--speculative-config {shlex.quote(text)}" if config else ""
+    return template.format(port=port, speculative_config=text, speculative_config_arg=arg)
+
+
+async def sweep_external(cfg: SweepConfig, profiles: dict[str, dict | None], log_dir: Path) -> list[dict]:
+    """Run the sweep with one external server per profile (`cfg.server_cmd`)."""
+    from specserve.bench.runner import discover_model
+    from specserve.bench.server_process import ServerProcess, ServerStartError
+
+    total = cfg.repeats * len(cfg.segments) * len(cfg.concurrency) * len(profiles) * cfg.num_prompts
+    bar = tqdm(total=total, desc="sweep", unit="req", file=sys.stderr, disable=not cfg.progress)
+    runs = []
+    try:
+        for name, c in profiles.items():
+            srv = ServerProcess.command(lambda port, c=c: ["bash", "-c", format_command(cfg.server_cmd, port, c)],
+                                        log_dir / f"server-{name}.log")
+            bar.set_description(f"starting {name}")
+            try:
+                srv.start(cfg.server_timeout_s, "--server-timeout")
+            except ServerStartError as e:
+                raise SweepError(f"the server of profile {name} did not start: {e}") from None
+            try:
+                base_url = srv.base_url + "/v1"
+                async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)) as cl:
+                    model = cfg.model or await discover_model(cl, base_url)
+                    runs += await _sweep_loop(cl, cfg, base_url, model, {name: name}, only=name, bar=bar)
+            finally:
+                srv.stop()
+    finally:
+        bar.close()
+    return runs
+
+
+# ---- the whole sweep --------------------------------------------------------------------------------------
+
+
+def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
+    """Run the sweep; returns the result dict (schema specserve.sweep/1): config, profiles, runs, rows,
+    recommendations, recommended_profiles, wall_s.
+
+    Raises:
+        SweepError, httpx.HTTPError, ValueError (bad segment or config), wheels.DatasetUnavailable.
+    """
+    if not cfg.base_url and not cfg.server_cmd:
+        raise ValueError("give --base-url (one running specserve server) or --server-cmd (external servers)")
+    if cfg.base_url and cfg.server_cmd:
+        raise ValueError("give --base-url or --server-cmd, not both")
+    if min(cfg.ks, default=0) < 1 or min(cfg.concurrency, default=0) < 1 or cfg.repeats < 1 or cfg.num_prompts < 1:
+        raise ValueError("--k, --concurrency, --repeats and --num-prompts must be >= 1")
+    datasets.parse_dataset_arg(",".join(cfg.segments))
+    profiles = plan_profiles(cfg)
+    t0 = time.perf_counter()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    tag = hashlib.sha256(f"{started}{os.getpid()}".encode()).hexdigest()[:6]
+    if cfg.base_url:
+        runs = asyncio.run(sweep_server(cfg, profiles, tag))
+    else:
+        runs = asyncio.run(sweep_external(cfg, profiles, log_dir))
+    rows = summarize_runs(runs)
+    recs = recommend(rows, profiles, cfg.min_noise)
+    cfg_d = asdict(cfg)
+    cfg_d.pop("admin_token", None)
+    return {"schema": SCHEMA, "started": started, "config": cfg_d, "profiles": profiles, "runs": runs, "rows": rows,
+            "recommendations": recs, "recommended_profiles": recommended_profiles(recs, profiles),
+            "errors": sum(int(r["metrics"].get("num_errors") or 0) for r in runs),
+            "wall_s": round(time.perf_counter() - t0, 1)}

@@ -1,0 +1,152 @@
+"""The sweep's numbers and its recommendation, from recorded runs (no server, no model).
+
+What it does: `summarize_runs` turns the runs of a sweep (one per repeat x segment x concurrency x
+profile, each with its metric dict) into one row per (segment, concurrency, profile): the TPOT speedup
+over the baseline measured in the same repeat (baseline TPOT / profile TPOT, token-weighted), its
+median over repeats and its spread (min, max), the same for output tokens/s, and medians of TPOT,
+TTFT and acceptance. `recommend` picks per (segment, concurrency) the profile to serve:
+
+1. best = the highest median speedup (the baseline counts, at exactly 1.0);
+2. the noise band of a candidate against the best = the larger of the two half-ranges (max - min) / 2
+   of their speedups over repeats (at least `min_noise`);
+3. every profile whose median is within the band of the best is as good as the best; among those the
+   one with the smallest k wins (the baseline has k = 0; an adaptive profile counts with its maximum k,
+   and wins a tie of k against a constant one, since it can back off when acceptance falls); equal k:
+   the higher median.
+
+So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
+k only where it beats a shallower one by more than the noise. `consistent` checks a re-run against it.
+What it does not do: run anything or draw anything (see `sweep.py`, `sweep_report.py`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+BASELINE = "baseline"
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def summarize_runs(runs: list[dict], baseline: str = BASELINE) -> list[dict]:
+    """Rows per (segment, concurrency, profile), in first-seen order.
+
+    Args:
+        runs: dicts with keys repeat, segment, concurrency, profile, and metrics (a `bench.metrics.summarize`
+            dict: tpot_ms_agg, output_tps, tpot_ms_p50, ttft_ms_p50, acceptance_rate, mean_acceptance_length,
+            acceptance_per_pos, num_errors).
+        baseline: the profile the speedups are relative to.
+
+    Returns:
+        dicts with segment, concurrency, profile, repeats, speedup {median, min, max, values},
+        tps_ratio {median, min, max}, tpot_ms, ttft_ms_p50, tpot_ms_p50, output_tps (medians),
+        acceptance_rate, mean_acceptance_length, acceptance_per_pos (medians), errors (sum).
+    """
+    base = {(r["repeat"], r["segment"], r["concurrency"]): r["metrics"] for r in runs if r["profile"] == baseline}
+    keys = list(dict.fromkeys((r["segment"], r["concurrency"], r["profile"]) for r in runs))
+    out = []
+    for seg, conc, prof in keys:
+        rs = [r for r in runs if (r["segment"], r["concurrency"], r["profile"]) == (seg, conc, prof)]
+        sp, tps = [], []
+        for r in rs:
+            b = base.get((r["repeat"], seg, conc))
+            if b is None:
+                continue
+            s = _ratio(b.get("tpot_ms_agg"), r["metrics"].get("tpot_ms_agg"))
+            t = _ratio(r["metrics"].get("output_tps"), b.get("output_tps"))
+            if s is not None:
+                sp.append(s)
+            if t is not None:
+                tps.append(t)
+
+        def med(key: str) -> float | None:
+            return _median([r["metrics"][key] for r in rs if isinstance(r["metrics"].get(key), (int, float))])
+
+        per_pos = [r["metrics"].get("acceptance_per_pos") or [] for r in rs]
+        depth = max(map(len, per_pos), default=0)
+        out.append({
+            "segment": seg, "concurrency": conc, "profile": prof, "repeats": len(rs),
+            "speedup": {"median": _median(sp), "min": min(sp, default=None), "max": max(sp, default=None), "values": sp},
+            "tps_ratio": {"median": _median(tps), "min": min(tps, default=None), "max": max(tps, default=None)},
+            "tpot_ms": med("tpot_ms_agg"), "tpot_ms_p50": med("tpot_ms_p50"), "ttft_ms_p50": med("ttft_ms_p50"),
+            "output_tps": med("output_tps"), "acceptance_rate": med("acceptance_rate"),
+            "mean_acceptance_length": med("mean_acceptance_length"),
+            "acceptance_per_pos": [_median([p[j] for p in per_pos if j < len(p)]) for j in range(depth)],
+            "errors": sum(int(r["metrics"].get("num_errors") or 0) for r in rs),
+        })
+    return out
+
+
+def _half_range(row: dict) -> float:
+    s = row["speedup"]
+    return (s["max"] - s["min"]) / 2 if s["min"] is not None and s["max"] is not None else 0.0
+
+
+def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: float = 0.0) -> list[dict]:
+    """Per (segment, concurrency), the profile to serve (see the module docstring).
+
+    Args:
+        rows: `summarize_runs` output.
+        profiles: name -> speculative config dict (None = no speculation), for k and the schedule.
+        min_noise: smallest noise band (a speedup difference, e.g. 0.02).
+
+    Returns:
+        dicts: segment, concurrency, profile, speedup (its median), spread [min, max], best (the
+        profile with the highest median), best_speedup, within_noise (profiles as good as the best),
+        reason (one line).
+    """
+    def k_key(name: str) -> tuple[int, int]:
+        cfg = profiles.get(name)
+        if not cfg:
+            return (0, 0)
+        adaptive = cfg.get("num_speculative_tokens_schedule") == "adaptive"
+        return (int(cfg.get("num_speculative_tokens", 0)), 0 if adaptive else 1)
+
+    out = []
+    for seg, conc in dict.fromkeys((r["segment"], r["concurrency"]) for r in rows):
+        group = [r for r in rows if (r["segment"], r["concurrency"]) == (seg, conc) and r["speedup"]["median"] is not None
+                 and not r["errors"]]
+        if not group:
+            continue
+        best = max(group, key=lambda r: r["speedup"]["median"])
+        close = [r for r in group
+                 if r["speedup"]["median"] >= best["speedup"]["median"] - max(_half_range(best), _half_range(r), min_noise)]
+        pick = min(close, key=lambda r: (k_key(r["profile"]), -r["speedup"]["median"]))
+        if pick is best:
+            why = "highest median TPOT speedup"
+        elif pick["profile"] == BASELINE:
+            why = f"no profile beats the baseline by more than the noise (best {best['profile']})"
+        else:
+            why = f"within the noise of the best ({best['profile']}) with a smaller k"
+        out.append({"segment": seg, "concurrency": conc, "profile": pick["profile"],
+                    "speedup": pick["speedup"]["median"], "spread": [pick["speedup"]["min"], pick["speedup"]["max"]],
+                    "best": best["profile"], "best_speedup": best["speedup"]["median"],
+                    "within_noise": [r["profile"] for r in close], "reason": why})
+    return out
+
+
+def consistent(first: list[dict], again: list[dict]) -> dict:
+    """Does a re-run's recommendation reproduce the first one within its reported spread? Per (segment,
+    concurrency): yes when the re-run picks a profile the first run found as good as its best
+    (`within_noise`). Returns {"all": bool, "by_key": {"segment c=N": {first, again, ok}}}."""
+    by_key = {}
+    picks = {(r["segment"], r["concurrency"]): r for r in again}
+    for r in first:
+        a = picks.get((r["segment"], r["concurrency"]))
+        ok = a is not None and a["profile"] in r["within_noise"]
+        by_key[f"{r['segment']} c={r['concurrency']}"] = {"first": r["profile"], "again": a and a["profile"], "ok": ok}
+    return {"all": bool(by_key) and all(v["ok"] for v in by_key.values()), "by_key": by_key}
+
+
+def recommended_profiles(recs: list[dict], profiles: dict[str, dict | None]) -> dict:
+    """A `serve --profiles` file: baseline (weight 1) plus every recommended speculative profile (weight 0,
+    to be routed by an operator or raised with PUT /admin/weights)."""
+    names = [BASELINE] + [n for n in dict.fromkeys(r["profile"] for r in recs) if n != BASELINE]
+    return {"profiles": {n: profiles.get(n) for n in names}, "weights": {BASELINE: 1.0}}

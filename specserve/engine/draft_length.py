@@ -1,0 +1,205 @@
+"""The adaptive schedule as the step plan's k policy (`AdaptiveK`, a `DraftingKPolicy`): drafts for
+every request whose config says `"num_speculative_tokens_schedule": "adaptive"`, cut to the k chosen
+for the whole batch; requests of other configs get their configured k (`ConfiguredK`).
+
+What it does, per step (docs/step-plan.md): `choose` wants the configured maximum (the batch-size table
+or num_speculative_tokens); the scheduler caps it (max_tokens, context end, token budget); then `draft`,
+for the decoding requests of adaptive configs:
+1. proposers whose time does not grow with k (ngram, suffix) propose up to the cap; every draft is
+   recorded in the `AcceptanceTracker` at full length (its outcome is read from the committed tokens
+   later). When drafting itself costs a noticeable part of the step (measured per proposer: on a fast
+   GPU a Python suffix tree can), requests that would get k = 0 anyway skip it, except every
+   PROBE_EVERY-th step;
+2. `choose_draft_lengths` picks k per request from the acceptance estimates (with the proposer's own
+   confidence), the target's measured step cost (`StepCostModel`) over the whole step (the other
+   requests' tokens and the prefill chunks included) and, for a draft model, its own measured forward
+   time per drafted position;
+3. free drafts are cut to k; a draft model drafts exactly k.
+After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
+drafts against the committed tokens.
+What it does not do: change which tokens are committed (verification does not depend on k for one-hot
+drafts, and is lossless for any k), schedule, or run the target.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+from specserve.engine.k_policy import ConfiguredK
+from specserve.engine.step_cost import StepCostModel
+from specserve.request import Request
+from specserve.spec_decode import proposer_key
+from specserve.spec_decode.acceptance import AcceptanceTracker
+from specserve.spec_decode.adaptive import Choice, DraftOption, choose_draft_lengths
+from specserve.spec_decode.proposer import Proposal, Proposer
+
+ProposeFn = Callable[[Sequence[tuple[Request, int]]], Sequence[Proposal]]
+
+
+PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to keep learning
+
+
+class AdaptiveK(ConfiguredK):
+    """The adaptive schedule's k policy (see the module docstring).
+
+    Args:
+        step_cost: the target's measured step cost.
+        proposer_of: the proposer of a SpeculativeConfig (to see whether its time grows with k).
+        objective, min_gain: passed to `choose_draft_lengths`.
+
+    Attributes:
+        tracker: the acceptance estimates.
+        last_choice: the most recent `Choice` (for inspection).
+        chosen_k: per speculative config, how many times each k was chosen (index = k).
+    """
+
+    def __init__(self, step_cost: StepCostModel, proposer_of: Callable[[Any], Proposer], *,
+                 objective: str = "fair", min_gain: float = 0.0):
+        self.step_cost = step_cost
+        self.proposer_of = proposer_of
+        self.objective = objective
+        self.min_gain = min_gain
+        self.tracker = AcceptanceTracker()
+        self.last_choice: Choice | None = None
+        self.chosen_k: dict[Any, list[int]] = defaultdict(list)
+        self.propose_ms: dict[Any, float] = {}  # per proposer key: EMA of the drafting time per request (ms)
+        self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
+
+    def add_request(self, req: Request) -> None:
+        """Track a request of an adaptive config."""
+        self.tracker.add_request(req.request_id, req.spec_config, proposer_key(req.spec_config))
+
+    def draft(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, *, num_other_tokens: int,
+              num_other_seqs: int) -> list[Proposal]:
+        """Drafts for the step's asks, those of adaptive configs cut to the k chosen for each.
+
+        Args:
+            asks: (request, k cap) pairs, k cap >= 1 (the scheduler's caps applied).
+            propose: the engine's drafting callback (`Scheduler.schedule`'s `propose`).
+            num_other_tokens: new tokens of the rest of the step (decodes without drafts, prefill chunks).
+            num_other_seqs: sequences in the rest of the step.
+
+        Returns:
+            one Proposal per ask, in order; an adaptive one with 0..cap drafts (0: a plain decode this step).
+        """
+        out: list[Proposal] = [Proposal([])] * len(asks)
+        fixed = [i for i, (r, _) in enumerate(asks) if not r.spec_config.adaptive]
+        if fixed:  # configured k: drafted as they are; they are part of the step the others wait for
+            for i, p in zip(fixed, propose([asks[i] for i in fixed])):
+                out[i] = p
+                num_other_tokens += 1 + min(len(p.token_ids), asks[i][1])
+                num_other_seqs += 1
+        idx = [i for i, (r, _) in enumerate(asks) if r.spec_config.adaptive]
+        if idx:
+            for i, p in zip(idx, self._adaptive([asks[i] for i in idx], propose, num_other_tokens, num_other_seqs)):
+                out[i] = p
+        return out
+
+    def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
+                  other_seqs: int) -> list[Proposal]:
+        free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
+        costly: dict[Any, list[int]] = defaultdict(list)
+        for i, (r, _cap) in enumerate(asks):
+            prop = self.proposer_of(r.spec_config)
+            (costly if hasattr(prop, "draft_step_cost") else free)[proposer_key(r.spec_config)].append(i)
+        skip = self._hopeless(asks, free, other_tokens, other_seqs)
+        full: dict[int, Proposal] = {i: Proposal([]) for i in skip}
+        for key, all_idx in free.items():
+            idx = [i for i in all_idx if i not in skip]
+            if not idx:
+                continue
+            t0 = time.perf_counter()
+            props = propose([asks[i] for i in idx])
+            ms = 1000 * (time.perf_counter() - t0) / len(idx)
+            self.propose_ms[key] = ms if key not in self.propose_ms else 0.9 * self.propose_ms[key] + 0.1 * ms
+            for i, p in zip(idx, props):
+                r, cap = asks[i]
+                p = Proposal(list(p.token_ids[:cap]), p.draft_probs, p.match_len, p.confidence)
+                full[i] = p
+                self.tracker.add_draft(r.request_id, len(r.all_token_ids), p.token_ids, p.match_len, p.confidence)
+        chosen, options = [], []
+        for i, p in full.items():
+            if p.token_ids:
+                chosen.append(i)
+                options.append(DraftOption(self.tracker.estimates(asks[i][0].request_id, len(p.token_ids),
+                                                                  p.match_len, p.confidence)))
+            else:
+                other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
+        for key, idx in costly.items():
+            cost = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
+            for i in idx:
+                r, cap = asks[i]
+                chosen.append(i)
+                options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
+                                           draft_cost_ms=lambda n, c=cost: c.forward_ms(n, n)))
+        choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
+                                      num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain)
+        self.last_choice = choice
+        ks = dict(zip(chosen, choice.ks))
+        out: list[Proposal] = []
+        for i, (r, _cap) in enumerate(asks):
+            k = ks.get(i, 0)
+            counts = self.chosen_k[r.spec_config]
+            counts += [0] * (k + 1 - len(counts))
+            counts[k] += 1
+            p = full.get(i)
+            if p is None or not k:
+                out.append(Proposal([]))
+            else:
+                out.append(Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
+                                    p.match_len, p.confidence[:k] if p.confidence else None))
+        todo = [i for idx in costly.values() for i in idx if ks.get(i, 0) > 0]
+        if todo:  # a draft model drafts exactly the chosen k
+            for i, p in zip(todo, propose([(asks[i][0], ks[i]) for i in todo])):
+                r = asks[i][0]
+                drafts = list(p.token_ids[: ks[i]])
+                out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
+                self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
+        return out
+
+    def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
+        """Requests of free proposers that should not even draft this step: when drafting costs time that
+        matters (at least 1% of the step per request, as on a fast GPU), a request for which k = 0 is
+        chosen even with the most optimistic estimates its history allows (no confidence signal, the
+        cap's full length) skips the proposer, except every PROBE_EVERY-th step, when it drafts anyway
+        so that its estimates can learn (`_skipped` counts the steps in a row)."""
+        idx = [i for group in free.values() for i in group]
+        if not idx:
+            return set()
+        step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
+        costly_keys = {k for k, group in free.items() if self.propose_ms.get(k, 0.0) >= 0.01 * step}
+        idx = [i for i in idx if proposer_key(asks[i][0].spec_config) in costly_keys]
+        if not idx:
+            return set()
+        options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, asks[i][1])) for i in idx]
+        pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
+                                   num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective)
+        out = set()
+        for i, k in zip(idx, pre.ks):
+            rid = asks[i][0].request_id
+            if k == 0 and self._skipped.get(rid, 0) < PROBE_EVERY - 1:
+                self._skipped[rid] = self._skipped.get(rid, 0) + 1
+                out.add(i)
+            else:
+                self._skipped[rid] = 0
+        return out
+
+    def choose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[int]:
+        """The configured k (an adaptive config's is its maximum: `draft` chooses within it)."""
+        return super().choose(requests, max_draft_tokens)
+
+    def observe(self, request: Request, num_draft_tokens: int, num_accepted: int) -> None:
+        """A decode step of `request` committed: resolve its pending drafts against the committed tokens
+        (drafts cut to a smaller k, or not verified at all, are resolved too: their counterfactual
+        outcome is what the committed tokens say)."""
+        if request.spec_config is not None and request.spec_config.adaptive:
+            self.tracker.on_commit(request.request_id, request.all_token_ids)
+
+    def finish_request(self, req: Request) -> None:
+        """The request left the engine."""
+        self.tracker.finish_request(req.request_id)
+        self._skipped.pop(req.request_id, None)
+
+

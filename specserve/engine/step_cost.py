@@ -1,0 +1,316 @@
+"""How long one forward of a model takes, as a function of the tokens and sequences in the step.
+
+What it does: `measure_step_cost` times real forwards through a model's own runner on the device it
+runs on (so CPU threading, huge-page weights or CUDA graphs are all in the numbers): one sequence with
+T = 1..16 new tokens (and a sparser grid above), and B sequences of one token each; every point is
+timed `repeats` times in rotating order after a short warm-up (on a CPU by the process's CPU time, on
+CUDA by the wall clock), and the fastest timing kept (`fit`). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
+(piecewise linear between measured points, linear beyond the last) and e(B) the extra cost of B
+sequences over one sequence of the same token count (attention and metadata per sequence). An online
+`overhead_ms` (EMA of the step time outside the forward: proposing, sampling, stop checks) is added by
+`step_ms`. `load_or_measure` caches the measurement as JSON under `$SPECSERVE_HOME/step_cost/`, keyed
+by model checksum, dtype, device, torch version and threads, and a fingerprint of the model code, so a
+new build of the forward is re-measured; `refresh=True` measures again.
+What it does not do: choose k (see `specserve.spec_decode.adaptive`), or model the context length
+(the measurement uses one context, `context` tokens already in the KV cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "specserve.step_cost/1"
+DENSE_TOKENS = 16  # T = 1..16 are all measured: CPU GEMM kernels step up every few rows
+
+
+@dataclass
+class StepCostModel:
+    """Measured forward time of a step.
+
+    Attributes:
+        tokens: grid of new-token counts T measured with one sequence, ascending, starting at 1.
+        token_ms: median ms of one forward with T new tokens (one sequence), same length as `tokens`.
+        seqs: grid of sequence counts B, ascending, starting at 1.
+        seq_extra_ms: ms that B sequences of one token cost over one sequence of B tokens (0.0 at B=1).
+        overhead_ms: step time outside the forward (ms), an EMA the engine updates every step.
+        meta: how and where it was measured (model, dtype, device, threads, context, repeats, time).
+    """
+
+    tokens: list[int]
+    token_ms: list[float]
+    seqs: list[int] = field(default_factory=lambda: [1])
+    seq_extra_ms: list[float] = field(default_factory=lambda: [0.0])
+    overhead_ms: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.token_ms):
+            raise ValueError("StepCostModel needs token_ms for a token grid that starts at 1")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or any(b <= a for a, b in zip(self.seqs, self.seqs[1:])):
+            raise ValueError("StepCostModel grids must be strictly ascending")
+        if not self.seqs or self.seqs[0] != 1 or len(self.seqs) != len(self.seq_extra_ms):
+            raise ValueError("StepCostModel needs seq_extra_ms for a sequence grid that starts at 1")
+
+    @staticmethod
+    def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+        slope = (y1 - y0) / (x1 - x0)
+        if x > x1:  # beyond the grid: continue the last segment, never downwards
+            return y1 + max(slope, 0.0) * (x - x1)
+        return y0 + slope * (x - x0)
+
+    def forward_ms(self, num_tokens: int, num_seqs: int = 1) -> float:
+        """Estimated ms of one forward over `num_tokens` new tokens in `num_seqs` sequences (0 tokens: 0)."""
+        if num_tokens <= 0:
+            return 0.0
+        extra = self._interp(self.seqs, self.seq_extra_ms, max(num_seqs, 1)) if num_seqs > 1 else 0.0
+        return max(self._interp(self.tokens, self.token_ms, num_tokens) + extra, 0.0)
+
+    def step_ms(self, num_tokens: int, num_seqs: int = 1) -> float:
+        """forward_ms plus the step overhead outside the forward (ms)."""
+        return self.forward_ms(num_tokens, num_seqs) + self.overhead_ms
+
+    def relative(self, num_tokens: int, num_seqs: int = 1) -> float:
+        """forward_ms(num_tokens, num_seqs) / forward_ms(num_seqs, num_seqs): the cost of a verify step
+        against the plain decode step of the same batch (1.0 = free drafts)."""
+        return self.forward_ms(num_tokens, num_seqs) / max(self.forward_ms(num_seqs, num_seqs), 1e-9)
+
+    def observe_overhead(self, ms: float, weight: float = 0.05) -> None:
+        """Fold one step's time outside the forward (ms) into `overhead_ms` (EMA)."""
+        if ms >= 0:
+            self.overhead_ms += weight * (ms - self.overhead_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schema"] = SCHEMA
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepCostModel":
+        """Inverse of to_dict. Raises ValueError for another schema or a malformed table."""
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} table")
+        return cls(list(d["tokens"]), [float(x) for x in d["token_ms"]], list(d["seqs"]),
+                   [float(x) for x in d["seq_extra_ms"]], 0.0, dict(d.get("meta") or {}))
+
+    def summary(self) -> str:
+        """One line: decode ms and the cost of 1 + k tokens relative to it, e.g. for the serve log."""
+        base = self.forward_ms(1)
+        ks = [k for k in (1, 2, 3, 4, 5, 8, 12, 16) if 1 + k <= self.tokens[-1] + 1]
+        rel = " ".join(f"k={k}:{self.forward_ms(1 + k) / base:.2f}x" for k in ks)
+        return f"decode {base:.1f} ms; verify 1+k tokens vs decode: {rel}"
+
+
+def token_grid(max_tokens: int) -> list[int]:
+    """T = 1..16, then ~1.5x steps (multiples of 8) up to max_tokens."""
+    grid = list(range(1, min(DENSE_TOKENS, max_tokens) + 1))
+    t = DENSE_TOKENS
+    while t < max_tokens:
+        t = min(max_tokens, max(t + 8, int(t * 1.5) // 8 * 8))
+        grid.append(t)
+    return grid
+
+
+def seq_grid(max_seqs: int) -> list[int]:
+    """B = 1, 2, 4, 8, ... up to max_seqs (max_seqs itself included)."""
+    grid, b = [1], 2
+    while b < max_seqs:
+        grid.append(b)
+        b *= 2
+    if max_seqs > 1:
+        grid.append(max_seqs)
+    return grid
+
+
+def fit(token_points: dict[int, list[float]], seq_points: dict[int, list[float]], meta: dict | None = None) -> StepCostModel:
+    """Build the model from repeated timings (ms): `token_points[T]` = forwards of one sequence with T
+    tokens, `seq_points[B]` = forwards of B sequences of one token each (B >= 2).
+
+    Each point keeps its fastest timing: on a shared machine noise only ever adds time, and the fastest
+    of a few rotated rounds is the forward's own cost. No shape is imposed: more tokens can cost less
+    (on the CPU measured here, 4 new tokens took less time than 2 or 3: the GEMM library switches
+    kernels with the row count). e(B) = fastest(B sequences) - f(B), at least 0.
+    """
+    tokens = sorted(token_points)
+    token_ms = [min(token_points[t]) for t in tokens]
+    partial = StepCostModel(tokens, token_ms)
+    seqs, extra = [1], [0.0]
+    for b in sorted(seq_points):
+        if b >= 2:
+            seqs.append(b)
+            extra.append(max(min(seq_points[b]) - partial.forward_ms(b), 0.0))
+    return StepCostModel(tokens, token_ms, seqs, extra, 0.0, dict(meta or {}))
+
+
+def measure(run_forward: Callable[[list[int]], float], tokens: list[int], seqs: list[int], repeats: int = 3,
+            target_s: float = 3.0, max_repeats: int = 15) -> StepCostModel:
+    """Time `run_forward(new_tokens_per_seq)` (returns ms of one forward) over the grids and fit.
+
+    Three warm-up forwards (dropped), then at least `repeats` rounds, more (up to `max_repeats`) while
+    they fit in about `target_s` seconds (fast devices get more samples against jitter). Each round
+    visits every point in an order rotated by one per round, so that slow phases of a shared machine
+    hit every point alike; `fit` keeps the fastest timing of each point.
+    """
+    points: list[tuple[str, int]] = [("t", t) for t in tokens] + [("b", b) for b in seqs if b >= 2]
+    tok: dict[int, list[float]] = {t: [] for t in tokens}
+    seq: dict[int, list[float]] = {b: [] for b in seqs if b >= 2}
+    for kind, n in (points[0], points[0], points[len(tokens) - 1]):  # warm-up (weights paged in, caches built)
+        run_forward([n] if kind == "t" else [1] * n)
+    first_s = 0.0
+    rounds = repeats
+    for r in range(max_repeats):
+        if r >= rounds:
+            break
+        shift = r % len(points)
+        t0 = time.perf_counter()
+        for kind, n in points[shift:] + points[:shift]:
+            (tok if kind == "t" else seq)[n].append(run_forward([n] if kind == "t" else [1] * n))
+        if r == 0:
+            first_s = time.perf_counter() - t0
+            rounds = min(max_repeats, max(repeats, int(target_s / max(first_s, 1e-6))))
+    return fit(tok, seq, {"repeats": rounds, "round_s": round(first_s, 3)})
+
+
+def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 256, repeats: int = 3,
+                  target_s: float = 3.0) -> StepCostModel:
+    """Measure a `LoadedModel` (the target or a draft model) through its runner, on its device.
+
+    Uses up to `max_seqs` free KV slots (fewer if fewer are free; they are freed afterwards), each
+    holding `context` tokens of a fixed pattern; every timed forward asks logits for all its rows, as
+    a verify step does.
+
+    Raises:
+        RuntimeError: no KV slot is free.
+    """
+    import torch
+
+    from specserve.engine.model_runner import SeqInput
+
+    kv, runner, dev = model.kv, model.runner, model.device
+    context = max(1, min(context, model.max_model_len - max_tokens - 1))
+    max_tokens = max(1, min(max_tokens, model.max_model_len - context - 1))
+    slots = []
+    try:
+        while len(slots) < max_seqs and kv.num_free_slots > 0:
+            slots.append(kv.allocate())
+        if not slots:
+            raise RuntimeError("cannot measure the step cost: every KV slot is in use")
+        vocab = model.config.vocab_size
+        ctx_ids = [(1000 + 7 * i) % vocab for i in range(context)]
+        for s in slots:
+            runner.forward([SeqInput(s, 0, ctx_ids, 1)])
+        # On a CPU the process's CPU time, not the wall clock: on a shared machine the wall clock also
+        # counts the turns of other processes, which drown the differences between token counts.
+        cuda = dev.type == "cuda"
+        clock = time.perf_counter if cuda else time.process_time
+
+        def run_forward(per_seq: list[int]) -> float:
+            seqs_in = []
+            for s, n in zip(slots, per_seq):
+                kv.truncate(s, context)
+                seqs_in.append(SeqInput(s, context, [(11 + j) % vocab for j in range(n)], n))
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = clock()
+            runner.forward(seqs_in)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            return 1000 * (clock() - t0)
+
+        t0 = time.perf_counter()
+        cm = measure(run_forward, token_grid(max_tokens), seq_grid(len(slots)), repeats, target_s)
+    finally:
+        for s in slots:
+            kv.free(s)
+    cm.meta.update(measurement_meta(model), context=context, clock="wall" if cuda else "process cpu time",
+                   measure_s=round(time.perf_counter() - t0, 2), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return cm
+
+
+def _device_name(device: Any) -> str:
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _code_fingerprint() -> str:
+    """sha256 of the sources that decide how fast a forward is (a new build is re-measured)."""
+    import specserve
+
+    root = Path(specserve.__file__).parent
+    h = hashlib.sha256()
+    for p in sorted(list((root / "model").glob("*.py")) + list((root / "engine").glob("*.py"))):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def measurement_meta(model: Any) -> dict[str, Any]:
+    """What the cache key is made of: model, checksum, dtype, device (type, name), torch, threads, code."""
+    import torch
+
+    return {"model": model.files.name, "checksum": model.files.checksum, "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device), "device_name": _device_name(model.device), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "code": _code_fingerprint()}
+
+
+def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path:
+    """Where the measurement of `model` with this grid lives: $SPECSERVE_HOME/step_cost/<model>-<key>.json."""
+    from specserve.hub import home
+
+    meta = measurement_meta(model)
+    name = meta.pop("model")  # the checksum identifies the weights; a folder's name may change
+    key = json.dumps({**meta, "max_tokens": max_tokens, "max_seqs": max_seqs, "context": context}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:60] if model.files.source == "catalog" else "model"
+    return home() / "step_cost" / f"{safe}-{digest}.json"
+
+
+def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int = 256, repeats: int = 3,
+                    refresh: bool = False) -> StepCostModel:
+    """The cached measurement of `model` on this device, or a new one (written to the cache).
+
+    A cache file that cannot be read is measured again; one that cannot be written only logs a warning.
+    """
+    path = cache_path(model, max_tokens, max_seqs, context)
+    if not refresh and path.is_file():
+        try:
+            cm = StepCostModel.from_dict(json.loads(path.read_text()))
+            cm.meta["cache"] = str(path)
+            return cm
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("step cost cache %s is unreadable (%s); measuring again", path, e)
+    logger.info("measuring the step cost of %s on %s (once per model, dtype and device)", model.files.name, model.device)
+    cm = measure_model(model, max_tokens=max_tokens, max_seqs=max_seqs, context=context, repeats=repeats)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cm.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+        cm.meta["cache"] = str(path)
+    except OSError as e:
+        logger.warning("could not cache the step cost in %s: %s", path, e)
+    logger.info("step cost of %s: %s", model.files.name, cm.summary())
+    return cm

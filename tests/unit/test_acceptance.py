@@ -1,0 +1,103 @@
+"""Acceptance estimates: per-position conditional counts, the prior chain (request -> config ->
+proposer -> the position before), outcomes read from committed tokens (also beyond the verified k),
+and the calibration of the proposers' own confidence."""
+
+import pytest
+
+from specserve.spec_decode.acceptance import (
+    DEFAULT_ACCEPTANCE, REQUEST_WEIGHT, AcceptanceTracker, PositionCounts, confidence_bucket,
+)
+
+
+def test_position_counts_are_conditional():
+    c = PositionCounts()
+    c.observe(4, 2)  # drafts 1, 2 accepted, 3 rejected, 4 never tested
+    c.observe(4, 4)
+    c.observe(2, 0)
+    assert c.tested == [3, 2, 2, 1] and c.accepted == [2, 2, 1, 1]
+    est = c.estimates(6, None, 0.0)  # no prior weight: the raw rates, untested positions carry the last
+    assert est == pytest.approx([2 / 3, 1.0, 0.5, 1.0, 1.0, 1.0])
+    assert PositionCounts().estimates(3, None, 1.0) == [DEFAULT_ACCEPTANCE] * 3
+    decayed = PositionCounts(decay=0.5)
+    decayed.observe(1, 1)
+    decayed.observe(1, 0)
+    assert decayed.tested == [1.5] and decayed.accepted == [0.5]
+
+
+def test_outcomes_from_committed_tokens_beyond_k():
+    t = AcceptanceTracker()
+    t.add_request("r", "cfg", "prop")
+    ids = [1, 2, 3]
+    t.add_draft("r", len(ids), [7, 8, 9, 10])  # a draft of 4 tokens; say only 1 was verified
+    ids += [7, 8]  # this step committed the accepted draft 7 and the bonus 8 (= draft 2, not verified)
+    t.on_commit("r", ids)
+    assert t._requests["r"].pending  # draft 3 and 4 are not known yet; 1 and 2 are recorded already
+    assert t._requests["r"].counts.tested == [1, 1] and t._requests["r"].counts.accepted == [1, 1]
+    ids += [9, 11]
+    t.on_commit("r", ids)  # 9 matches, 11 != 10: 3 of 4 would have been accepted
+    counts = t._requests["r"].counts
+    assert counts.tested == [1, 1, 1, 1] and counts.accepted == [1, 1, 1, 0]
+    assert not t._requests["r"].pending
+    prof = t._configs["cfg"]
+    assert prof.tested == [1, 1, 1, 1] and prof.accepted == [1, 1, 1, 0]
+    # a rejection at the first position
+    t.add_draft("r", len(ids), [5, 5])
+    t.on_commit("r", ids + [6])
+    assert counts.tested[0] == pytest.approx(1 * 0.92 + 1) and counts.accepted[0] == pytest.approx(0.92)
+
+
+def test_positions_are_recorded_as_soon_as_known_and_kept_at_finish():
+    t = AcceptanceTracker()
+    t.add_request("r", "cfg", "prop")
+    t.add_draft("r", 2, [4, 5, 6])
+    t.on_commit("r", [0, 1, 4])  # a plain decode step: position 1 is known, and counts at once
+    assert t.estimates("r", 1)[0] > 0.5 and t._configs["cfg"].tested == [1]
+    t.on_commit("r", [0, 1, 4, 5])  # request ends here (e.g. max_tokens)
+    t.finish_request("r")
+    assert t._configs["cfg"].tested == [1, 1] and t._configs["cfg"].accepted == [1, 1]
+    assert t.num_requests == 0
+    t.finish_request("r")  # unknown: ignored
+    t.on_commit("unknown", [1])
+
+
+def test_prior_chain_request_config_proposer():
+    t = AcceptanceTracker()
+    t.add_request("a", "cfg", "prop")
+    assert t.estimates("a", 3) == pytest.approx([DEFAULT_ACCEPTANCE] * 3)
+    for _ in range(30):  # request a: the first draft always accepted, the second never
+        t.add_draft("a", 0, [1, 2])
+        t.on_commit("a", [1, 3])
+    est = t.estimates("a", 3)
+    assert est[0] > 0.95 and est[1] < 0.1 and est[2] < 0.1  # position 3, never tested, carries position 2
+    # a new request of the same config starts from the config's prior, not from 0.5
+    t.add_request("b", "cfg", "prop")
+    b = t.estimates("b", 2)
+    assert b[0] > 0.9 and b[1] < 0.15
+    # a new config of the same proposer starts from the proposer's prior
+    t.add_request("c", "cfg2", "prop")
+    c = t.estimates("c", 2)
+    assert c[0] > 0.8 and c[1] < 0.3
+    # a request's own evidence overrides the prior: b never gets its first draft accepted
+    for _ in range(20):
+        t.add_draft("b", 0, [1])
+        t.on_commit("b", [2])
+    assert t.estimates("b", 1)[0] < 0.3
+    assert REQUEST_WEIGHT > 0
+    with pytest.raises(KeyError):
+        t.estimates("nobody", 2)
+
+
+def test_confidence_is_calibrated_per_bucket():
+    t = AcceptanceTracker()
+    t.add_request("r", "cfg", "prop")
+    for i in range(60):  # long matches are accepted, short ones are not
+        long_match = i % 2 == 0
+        t.add_draft("r", 0, [1], match_len=4 if long_match else 1)
+        t.on_commit("r", [1 if long_match else 2])
+    plain = t.estimates("r", 1)[0]
+    hi = t.estimates("r", 1, match_len=4)[0]
+    lo = t.estimates("r", 1, match_len=1)[0]
+    assert 0.3 < plain < 0.7 and hi > 0.85 and lo < 0.15
+    assert confidence_bucket(None, None) is None
+    assert confidence_bucket(3, None) == (3, None) and confidence_bucket(7, 1.0) == (5, 4)
+    assert confidence_bucket(None, 0.3) == (None, 1) and confidence_bucket(12, 0.99) == (9, 3)

@@ -1,0 +1,125 @@
+"""The cost-aware k choice: known costs and acceptances give the known optimum (k = 0 included), the
+greedy over increments equals brute force over every combination, draft-model costs, the guard."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from specserve.spec_decode.adaptive import DraftOption, choose_draft_lengths, expected_tokens
+
+
+def cpu_cost(tokens: int, seqs: int = 1) -> float:
+    """The measured CPU shape (docs/benchmarks/verify_cost_*): flat for 1-3 tokens, +75% for 4-6, ..."""
+    return 100.0 * (1 + 0.75 * ((tokens - 1) // 3)) + tokens
+
+
+def flat_cost(tokens: int, seqs: int = 1) -> float:
+    return 10.0 + 0.01 * tokens
+
+
+def brute(options, cost, objective="fair", other_tokens=0, other_seqs=0):
+    n = len(options)
+    best, best_ks = None, None
+    for ks in itertools.product(*[range(len(o.acceptance) + 1) for o in options]):
+        c = cost(other_tokens + n + sum(ks), n + other_seqs)
+        for g in {o.draft_group for o in options if o.draft_group is not None}:
+            f = next(o.draft_cost_ms for o in options if o.draft_group == g)
+            depth = max([k for o, k in zip(options, ks) if o.draft_group == g], default=0)
+            c += sum(f(sum(1 for o, k in zip(options, ks) if o.draft_group == g and k >= j)) for j in range(1, depth + 1))
+        es = [expected_tokens(o.acceptance, k) for o, k in zip(options, ks)]
+        v = sum(map(math.log, es)) - (n + other_seqs) * math.log(c) if objective == "fair" else sum(es) / c
+        if best is None or v > best + 1e-12 or (abs(v - best) <= 1e-12 and sum(ks) < sum(best_ks)):
+            best, best_ks = v, list(ks)
+    return best_ks, best
+
+
+def test_expected_tokens_is_leviathan():
+    for a in (0.0, 0.3, 0.8):
+        for k in range(6):
+            assert expected_tokens([a] * k, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+    assert expected_tokens([1.0, 0.5, 0.5], 3) == pytest.approx(1 + 1 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("a,k", [(0.0, 0), (0.2, 2), (0.9, 2), (0.95, 5), (0.97, 8)])
+def test_single_request_on_the_cpu_curve(a, k):
+    """Verify blocks of 1-3 tokens cost about a decode, 4-6 1.75x, 7-9 2.5x: drafts that are never
+    accepted get k = 0, a low or even a high acceptance k = 2 (nearly free); only a very high one pays
+    for the next block."""
+    choice = choose_draft_lengths([DraftOption([a] * 8)], cpu_cost)
+    assert choice.ks == [k]
+    assert choice.ks == brute([DraftOption([a] * 8)], cpu_cost)[0]
+
+
+def test_k0_when_drafts_cost_more_than_they_bring():
+    expensive = lambda t, s=1: 100.0 * t  # every token pays full price: speculation never wins
+    assert choose_draft_lengths([DraftOption([0.9] * 6)], expensive).ks == [0]
+    # zero acceptance: nothing to gain even when drafts are free
+    assert choose_draft_lengths([DraftOption([0.0] * 6)], flat_cost).ks == [0]
+    # nearly free drafts and a high acceptance: all of them
+    assert choose_draft_lengths([DraftOption([0.9] * 6)], flat_cost).ks == [6]
+
+
+def test_per_position_estimates_are_used():
+    # the first draft is almost surely accepted, the second almost never: stop after one
+    assert choose_draft_lengths([DraftOption([0.95, 0.02, 0.9, 0.9])], lambda t, s=1: 100.0 + 30.0 * t).ks == [1]
+
+
+@pytest.mark.parametrize("objective", ["fair", "throughput"])
+@pytest.mark.parametrize("cost", [cpu_cost, flat_cost, lambda t, s: 50.0 + 7.0 * t + 3.0 * s + 40.0 * (t > 9)])
+def test_greedy_equals_brute_force(objective, cost):
+    rng = random.Random(7)
+    for _ in range(25):
+        options = [DraftOption([rng.random() ** 0.5 for _ in range(rng.randint(0, 4))]) for _ in range(rng.randint(1, 3))]
+        other_tokens, other_seqs = rng.choice([(0, 0), (1, 1), (30, 2)])
+        choice = choose_draft_lengths(options, cost, objective=objective, num_other_tokens=other_tokens,
+                                      num_other_seqs=other_seqs)
+        ks, value = brute(options, cost, objective, other_tokens, other_seqs)
+        assert choice.value == pytest.approx(value)
+        assert choice.ks == ks
+        assert choice.expected_tokens == pytest.approx(sum(expected_tokens(o.acceptance, k) for o, k in zip(options, ks)))
+
+
+def test_fair_objective_protects_the_requests_that_gain_nothing():
+    """Batch of two on a curve where each extra token costs 5%: one request accepts 80%, the other
+    never. Throughput lets the first draft deeper (its gain outweighs the other's loss); the fair
+    objective stops where the other request's slowdown is not paid back."""
+    cost = lambda t, s: 100.0 * (1 + 0.05 * (t - s))
+    opts = [DraftOption([0.8] * 8), DraftOption([0.0] * 8)]
+    thr = choose_draft_lengths(opts, cost, objective="throughput").ks
+    fair = choose_draft_lengths(opts, cost, objective="fair").ks
+    assert fair[1] == 0 and thr[1] == 0 and fair[0] < thr[0]
+    assert fair == brute(opts, cost, "fair")[0] and thr == brute(opts, cost, "throughput")[0]
+
+
+def test_prefill_in_the_step_makes_drafts_cheap():
+    """With a 300-token prefill chunk in the step, a few draft rows add little: speculate more."""
+    lin = lambda t, s=1: 20.0 + 10.0 * t
+    alone = choose_draft_lengths([DraftOption([0.5] * 8)], lin).ks[0]
+    with_prefill = choose_draft_lengths([DraftOption([0.5] * 8)], lin, num_other_tokens=300, num_other_seqs=1).ks[0]
+    assert with_prefill > alone
+
+
+def test_draft_model_costs():
+    """A draft model pays one forward per drafted position: fewer drafts than when drafting is free."""
+    step = lambda t, s=1: 100.0
+    free = choose_draft_lengths([DraftOption([0.8] * 8)], step).ks
+    draft = DraftOption([0.8] * 8, draft_group="d", draft_cost_ms=lambda n: 25.0)
+    costly = choose_draft_lengths([draft], step).ks
+    assert free == [8] and costly == brute([draft], step)[0] and 0 < costly[0] < 8
+    # two draft-model requests share each draft forward (batched): compare with brute force
+    shared = [DraftOption([0.8] * 4, "d", lambda n: 20.0 + 5.0 * n), DraftOption([0.5] * 4, "d", lambda n: 20.0 + 5.0 * n)]
+    assert choose_draft_lengths(shared, step).ks == brute(shared, step)[0]
+    with pytest.raises(ValueError):
+        choose_draft_lengths([DraftOption([0.5], draft_group="d")], step)
+
+
+def test_min_gain_guard_and_edge_cases():
+    opts = [DraftOption([0.3] * 2)]  # on the flat part of the CPU curve: a gain of ~1.39x
+    assert choose_draft_lengths(opts, cpu_cost).ks == [2]
+    assert choose_draft_lengths(opts, cpu_cost, min_gain=0.5).ks == [0]
+    assert choose_draft_lengths([], cpu_cost).ks == []
+    assert choose_draft_lengths([DraftOption([])], cpu_cost).ks == [0]
+    with pytest.raises(ValueError):
+        choose_draft_lengths(opts, cpu_cost, objective="fastest")

@@ -1,0 +1,103 @@
+"""The adaptive k policy's drafting step (`AdaptiveK.draft`, called by the scheduler) without a model: cut proposals, free vs costly proposers, the
+draft model's k chosen before it drafts, and skipping the proposer for hopeless requests when drafting
+itself costs time that matters (with a probe every PROBE_EVERY-th step)."""
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.draft_length import PROBE_EVERY, AdaptiveK
+from specserve.engine.step_cost import StepCostModel
+from specserve.request import Request
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.proposer import Proposal, ProposalInput
+
+FLAT = StepCostModel(list(range(1, 17)), [100.0 + t for t in range(16)])  # drafts nearly free
+
+
+class Scripted:
+    """Proposes `tokens` (cut to k) for every request; counts calls; optionally slow."""
+
+    def __init__(self, tokens, costly=False, delay_ms=0.0):
+        self.tokens, self.calls, self.delay_ms = tokens, [], delay_ms
+        if costly:
+            self.draft_step_cost = lambda: StepCostModel([1, 2], [50.0, 50.0])
+
+    def propose(self, inputs):
+        import time
+
+        self.calls.append([(i.request_id, i.num_speculative_tokens) for i in inputs])
+        if self.delay_ms:
+            time.sleep(self.delay_ms / 1000 * len(inputs))
+        return [Proposal(self.tokens[: i.num_speculative_tokens], match_len=3) for i in inputs]
+
+    def finish_request(self, request_id, token_ids):
+        pass
+
+
+def via(prop):
+    """The engine's propose callback over one proposer: (request, k) pairs -> proposals."""
+    return lambda asks: prop.propose([ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params,
+                                                    r.seed) for r, k in asks])
+
+
+def req(rid, cfg):
+    r = Request(rid, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100), cfg, 0)
+    r.num_computed_tokens = 3
+    return r
+
+
+def commit(ad, r, tokens):
+    r.all_token_ids += tokens
+    ad.observe(r, 0, 0)
+
+
+def test_free_proposals_are_cut_and_learned_beyond_k():
+    cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([7] * 8)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    r = req("a", cfg)
+    ad.add_request(r)
+    for _ in range(6):  # the target always continues with 7s: every draft token would be accepted
+        (p,) = ad.draft([(r, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        assert prop.calls[-1] == [("a", 8)]  # free drafts: proposed at the cap
+        commit(ad, r, [7] * (len(p.token_ids) + 1))
+    assert len(p.token_ids) == 8 and ad.chosen_k[cfg][8] >= 1
+    assert ad.tracker.estimates("a", 8)[7] > 0.7  # learned the deep positions too
+
+
+def test_draft_model_k_is_chosen_before_it_drafts():
+    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([5] * 6, costly=True)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    r = req("d", cfg)
+    ad.add_request(r)
+    (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
+    # 50 ms per draft forward against a 100 ms step, acceptance 0.5 before any evidence: k < 6, and
+    # the proposer was asked for exactly k
+    k = len(p.token_ids)
+    assert 0 <= k < 6 and (prop.calls == [[("d", k)]] if k else prop.calls == [])
+
+
+def test_hopeless_requests_skip_a_costly_proposer_but_probe():
+    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([9] * 8, delay_ms=5.0)  # 5 ms per request against a ~100 ms step: matters (>= 1%)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    r = req("s", cfg)
+    ad.add_request(r)
+    drafted = []
+    for _ in range(40):  # the target never continues with 9: every draft is rejected
+        n = len(prop.calls)
+        ad.draft([(r, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        drafted.append(len(prop.calls) > n)
+        commit(ad, r, [4])
+    tail = drafted[-4 * PROBE_EVERY:]
+    assert sum(tail) == 4  # once hopeless: one probe every PROBE_EVERY steps
+    # drafting that costs nothing (as on a CPU step of 100 ms) is never skipped
+    fast = Scripted([9] * 8)
+    ad2 = AdaptiveK(FLAT, lambda c: fast)
+    r2 = req("t", cfg)
+    ad2.add_request(r2)
+    for _ in range(20):
+        ad2.draft([(r2, 8)], via(fast), num_other_tokens=0, num_other_seqs=0)
+        commit(ad2, r2, [4])
+    assert len(fast.calls) == 20
+    ad.finish_request(r)
+    assert "s" not in ad._skipped

@@ -1,0 +1,114 @@
+"""The target's step cost model: the fit (fastest timing, non-decreasing curves), interpolation,
+measurement on a fake clock and on a tiny model, and the cache."""
+
+import json
+import math
+
+import pytest
+
+from specserve.engine.step_cost import (
+    StepCostModel, fit, load_or_measure, measure, measure_model, seq_grid, token_grid,
+)
+
+
+def cpu_like(t: int) -> float:
+    """A CPU-shaped forward: steps up every 3 rows (GEMM blocks), 100 ms per block."""
+    return 100.0 * math.ceil(t / 3)
+
+
+def test_fit_keeps_the_fastest_timing():
+    tokens = {t: [cpu_like(t) + 50, cpu_like(t), cpu_like(t) + 7] for t in range(1, 17)}
+    tokens[4] = [60.0, 70.0, 65.0]  # a kernel switch: 4 tokens cheaper than 2 or 3, kept as measured
+    seqs = {2: [cpu_like(2) + 10, cpu_like(2) + 12], 4: [60.0 + 30, 60.0 + 25]}
+    cm = fit(tokens, seqs)
+    for t in range(1, 17):
+        assert cm.forward_ms(t) == pytest.approx(60.0 if t == 4 else cpu_like(t)), t
+    assert cm.seqs == [1, 2, 4] and cm.seq_extra_ms == pytest.approx([0.0, 10.0, 25.0])
+    # 4 sequences of 2 tokens each: f(8) + e(4)
+    assert cm.forward_ms(8, 4) == pytest.approx(cpu_like(8) + 25.0)
+    assert cm.relative(4, 4) == pytest.approx(1.0) and cm.relative(3) == pytest.approx(1.0)
+    assert cm.relative(7) == pytest.approx(3.0)
+    assert cm.forward_ms(3.5) == pytest.approx((100 + 60) / 2)  # linear between measured points
+
+
+def test_interpolation_and_extrapolation():
+    cm = StepCostModel([1, 2, 16, 32], [10.0, 12.0, 40.0, 72.0], [1, 4], [0.0, 8.0])
+    assert cm.forward_ms(0) == 0.0
+    assert cm.forward_ms(9) == pytest.approx(12.0 + 7 * 2.0)  # linear between 2 and 16
+    assert cm.forward_ms(64) == pytest.approx(72.0 + 32 * 2.0)  # last slope continued
+    assert cm.forward_ms(8, 2) == pytest.approx(cm.forward_ms(8) + 8.0 / 3)  # e(B) interpolated
+    assert cm.forward_ms(8, 16) == pytest.approx(cm.forward_ms(8) + 8.0 * 5)  # e(B) extrapolated
+    flat = StepCostModel([1, 2], [10.0, 9.0])
+    assert flat.forward_ms(10) == pytest.approx(9.0)  # beyond the grid never downwards
+    cm.observe_overhead(10.0, weight=0.5)
+    assert cm.overhead_ms == 5.0 and cm.step_ms(1) == pytest.approx(15.0)
+    with pytest.raises(ValueError):
+        StepCostModel([2, 3], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        StepCostModel([1, 1], [1.0, 2.0])
+
+
+def test_roundtrip_and_schema():
+    cm = StepCostModel([1, 2], [10.0, 11.0], [1, 2], [0.0, 1.0], 3.0, {"model": "m"})
+    back = StepCostModel.from_dict(json.loads(json.dumps(cm.to_dict())))
+    assert back.tokens == cm.tokens and back.token_ms == cm.token_ms and back.seq_extra_ms == cm.seq_extra_ms
+    assert back.overhead_ms == 0.0  # online state is not cached
+    with pytest.raises(ValueError):
+        StepCostModel.from_dict({"schema": "other"})
+
+
+def test_grids():
+    assert token_grid(4) == [1, 2, 3, 4]
+    assert token_grid(32) == list(range(1, 17)) + [24, 32]
+    assert token_grid(100)[-1] == 100 and all(b > a for a, b in zip(token_grid(100), token_grid(100)[1:]))
+    assert seq_grid(1) == [1] and seq_grid(4) == [1, 2, 4] and seq_grid(6) == [1, 2, 4, 6]
+
+
+def test_measure_rotates_and_recovers_a_known_cost():
+    calls = []
+    points = len(token_grid(20)) + 2
+
+    def forward(per_seq):
+        calls.append(tuple(per_seq))
+        rnd = (len(calls) - 4) // points  # noise hits every point in rounds 0 and 2, none in round 1
+        t = sum(per_seq)
+        return cpu_like(t) + 5.0 * (len(per_seq) - 1) + (0.0 if rnd == 1 else 60.0 + 10 * (t % 4))
+
+    cm = measure(forward, token_grid(20), seq_grid(4), repeats=3, target_s=0.0)
+    assert cm.meta["repeats"] == 3
+    assert len(calls) == 3 + 3 * points  # warm-up, then 3 rounds over every point
+    assert calls[3] != calls[3 + points]  # the second round starts elsewhere (rotated order)
+    for t in range(1, 17):
+        assert cm.forward_ms(t) == pytest.approx(cpu_like(t))
+    assert cm.forward_ms(4, 4) == pytest.approx(cpu_like(4) + 15.0)
+
+
+def test_measure_model_on_a_tiny_model_and_cache(tiny_model_dir, tmp_path, monkeypatch):
+    from specserve import LLM
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
+    target = llm.engine.target
+    cm = measure_model(target, max_tokens=20, max_seqs=4, context=32, repeats=2, target_s=0.0)
+    assert cm.tokens == token_grid(20) and cm.seqs == [1, 2, 4]
+    assert min(cm.token_ms) > 0 and cm.meta["clock"] == "process cpu time"
+    assert target.kv.num_free_slots == 4 and target.kv.num_used_tokens == 0  # slots given back
+    assert cm.meta["device"] == "cpu" and cm.meta["context"] == 32 and cm.meta["checksum"]
+
+    first = load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1)
+    path = tmp_path / "step_cost"
+    files = list(path.glob("*.json"))
+    assert len(files) == 1 and first.meta["cache"] == str(files[0])
+    files[0].write_text(json.dumps({**json.loads(files[0].read_text()), "token_ms": [1.0] * 8}))
+    assert load_or_measure(target, max_tokens=8, max_seqs=2, context=16).token_ms == [1.0] * 8  # read, not measured
+    again = load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1, refresh=True)
+    assert again.token_ms != [1.0] * 8
+    files[0].write_text("not json")
+    assert load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1).token_ms[0] > 0  # re-measured
+
+    # every slot busy: a clear error, nothing leaked
+    slots = [target.kv.allocate() for _ in range(4)]
+    with pytest.raises(RuntimeError, match="KV slot"):
+        measure_model(target, max_tokens=4, max_seqs=2, repeats=1)
+    for s in slots:
+        target.kv.free(s)

@@ -1,0 +1,87 @@
+"""The sweep's selection rule on recorded results (no server, no model): speedups against the baseline
+of the same repeat, median and spread, the best profile, the smaller k within the noise, the baseline
+when nothing beats it by more than the noise, and a re-run's consistency."""
+
+import pytest
+
+from specserve.bench.sweep_select import consistent, recommend, recommended_profiles, summarize_runs
+
+PROFILES = {
+    "baseline": None,
+    "ngram_k2": {"method": "ngram", "num_speculative_tokens": 2},
+    "ngram_k8": {"method": "ngram", "num_speculative_tokens": 8},
+    "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 8, "num_speculative_tokens_schedule": "adaptive"},
+}
+
+
+def runs_from(tpot: dict, segment="code", concurrency=1, errors=None):
+    """tpot: profile -> [TPOT ms per repeat]."""
+    out = []
+    for prof, values in tpot.items():
+        for rep, v in enumerate(values):
+            out.append({"repeat": rep, "segment": segment, "concurrency": concurrency, "profile": prof,
+                        "metrics": {"tpot_ms_agg": v, "output_tps": 1000.0 / v, "tpot_ms_p50": v, "ttft_ms_p50": 50.0,
+                                    "acceptance_per_pos": [0.9, 0.5] if prof != "baseline" else [],
+                                    "num_errors": (errors or {}).get(prof, 0)}})
+    return out
+
+
+def test_speedup_per_repeat_median_and_spread():
+    rows = summarize_runs(runs_from({"baseline": [100, 120, 110], "ngram_k2": [50, 80, 55]}))
+    k2 = next(r for r in rows if r["profile"] == "ngram_k2")
+    assert k2["speedup"]["values"] == pytest.approx([2.0, 1.5, 2.0])
+    assert k2["speedup"]["median"] == pytest.approx(2.0) and k2["speedup"]["min"] == pytest.approx(1.5)
+    assert k2["tps_ratio"]["median"] == pytest.approx(2.0)
+    assert k2["tpot_ms"] == 55 and k2["acceptance_per_pos"] == [0.9, 0.5] and k2["repeats"] == 3
+    base = next(r for r in rows if r["profile"] == "baseline")
+    assert base["speedup"]["median"] == 1.0 and base["speedup"]["min"] == base["speedup"]["max"] == 1.0
+
+
+def test_best_profile_wins_when_clearly_ahead():
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k2": [70, 72], "ngram_k8": [40, 41],
+                                     "ngram_adaptive": [45, 46]}))
+    (rec,) = recommend(rows, PROFILES)
+    assert rec["profile"] == "ngram_k8" and rec["best"] == "ngram_k8"
+    assert rec["speedup"] == pytest.approx(100 / 40.5, rel=0.02) and rec["reason"] == "highest median TPOT speedup"
+
+
+def test_smaller_k_within_the_noise():
+    # k8 has the best median, but its repeats spread widely; k2 is within that noise: take k2
+    rows = summarize_runs(runs_from({"baseline": [100, 100, 100], "ngram_k2": [60, 62, 61],
+                                     "ngram_k8": [40, 70, 57]}))
+    (rec,) = recommend(rows, PROFILES)
+    assert rec["best"] == "ngram_k8" and rec["profile"] == "ngram_k2"
+    assert set(rec["within_noise"]) == {"ngram_k2", "ngram_k8"} and "smaller k" in rec["reason"]
+    # the adaptive profile (max k 8) beats a constant k 8 within the noise, not a constant k 2
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_adaptive": [60, 62], "ngram_k8": [59, 61]}))
+    assert recommend(rows, PROFILES)[0]["profile"] == "ngram_adaptive"
+
+
+def test_baseline_when_nothing_beats_it_beyond_the_noise():
+    rows = summarize_runs(runs_from({"baseline": [100, 100, 100], "ngram_k2": [95, 110, 99], "ngram_k8": [130, 140, 150]}))
+    (rec,) = recommend(rows, PROFILES)
+    assert rec["profile"] == "baseline" and "baseline" in rec["reason"]
+    # a floor on the noise also keeps a 1% gain from counting
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k2": [99, 99]}))
+    assert recommend(rows, PROFILES)[0]["profile"] == "ngram_k2"
+    assert recommend(rows, PROFILES, min_noise=0.02)[0]["profile"] == "baseline"
+
+
+def test_profiles_with_errors_are_never_recommended_and_groups_are_separate():
+    runs = (runs_from({"baseline": [100, 100], "ngram_k8": [40, 40], "ngram_k2": [70, 70]}, errors={"ngram_k8": 1})
+            + runs_from({"baseline": [100, 100], "ngram_k8": [40, 40]}, segment="chat", concurrency=4))
+    recs = recommend(summarize_runs(runs), PROFILES)
+    assert [(r["segment"], r["concurrency"], r["profile"]) for r in recs] == [("code", 1, "ngram_k2"), ("chat", 4, "ngram_k8")]
+    prof = recommended_profiles(recs, PROFILES)
+    assert prof == {"profiles": {"baseline": None, "ngram_k2": PROFILES["ngram_k2"], "ngram_k8": PROFILES["ngram_k8"]},
+                    "weights": {"baseline": 1.0}}
+
+
+def test_consistency_of_a_rerun():
+    first = recommend(summarize_runs(runs_from({"baseline": [100, 100, 100], "ngram_k2": [60, 62, 61],
+                                                "ngram_k8": [40, 70, 57]})), PROFILES)
+    same = recommend(summarize_runs(runs_from({"baseline": [100, 100], "ngram_k2": [61, 61], "ngram_k8": [60, 62]})), PROFILES)
+    assert consistent(first, same)["all"]
+    other = recommend(summarize_runs(runs_from({"baseline": [100, 100], "ngram_adaptive": [30, 31]})), PROFILES)
+    verdict = consistent(first, other)
+    assert not verdict["all"] and verdict["by_key"]["code c=1"] == {"first": "ngram_k2", "again": "ngram_adaptive", "ok": False}
