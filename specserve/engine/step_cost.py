@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import platform
-import statistics
 import time
 from bisect import bisect_right
 from dataclasses import asdict, dataclass, field

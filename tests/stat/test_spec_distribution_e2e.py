@@ -234,7 +234,6 @@ def test_spec_sampling_matches_exact_target(llm, exact, target_dir, other_draft_
     # power: the same counts are rejected against the distribution at another temperature
     wrong = dict(sp, temperature=sp["temperature"] * 0.7)
     p1w, jointw, _ = exact.dists(prompt_ids, wrong, max_pairs=1)
-    V = p1w.shape[0]
     c12 = Counter(tuple(c.token_ids[:2]) for c in comps)
     nz = torch.nonzero(jointw > 0)
     pv_wrong = chi2_pvalue(c12, {(int(a), int(b)): float(jointw[a, b]) for a, b in nz}, N, top=20)

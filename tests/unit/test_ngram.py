@@ -17,7 +17,7 @@ from specserve.spec_decode import (
     register_proposer_factory,
 )
 from specserve.spec_decode.ngram import ngram_lookup
-from specserve.spec_decode.proposer import Proposal, ProposalInput
+from specserve.spec_decode.proposer import ProposalInput
 
 
 def inp(tokens, k, rid="r", n_prompt=None):
