@@ -2,6 +2,7 @@
 tokens of the step-by-step path (one host copy per draft), over several propose calls with accepted,
 rejected and capped drafts, for requests with different k in one call."""
 
+import pytest
 import torch
 
 from specserve import SamplingParams
@@ -11,9 +12,9 @@ from specserve.spec_decode.draft_model import DraftModelProposer
 from specserve.spec_decode.proposer import ProposalInput, ProposerContext
 
 
-def _proposer(tiny_model_dir, draft_dir, chain: bool) -> DraftModelProposer:
-    target = LoadedModel(str(tiny_model_dir), "float32", "cpu", 128, 4)
-    ctx = ProposerContext(device=torch.device("cpu"), dtype="float32", max_model_len=128, num_slots=4,
+def _proposer(tiny_model_dir, draft_dir, chain: bool, device: str) -> DraftModelProposer:
+    target = LoadedModel(str(tiny_model_dir), "float32", device, 128, 4)
+    ctx = ProposerContext(device=torch.device(device), dtype="float32", max_model_len=128, num_slots=4,
                           vocab_size=target.config.vocab_size, tokenizer=target.tokenizer,
                           num_target_params=10**12)
     p = DraftModelProposer(SpeculativeConfig("draft_model", 6, model=str(draft_dir)), ctx)
@@ -21,12 +22,14 @@ def _proposer(tiny_model_dir, draft_dir, chain: bool) -> DraftModelProposer:
     return p
 
 
-def test_greedy_chain_equals_step_by_step(tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_greedy_chain_equals_step_by_step(tiny_model_dir, tmp_path, device):
     from tests.helpers.tiny_model import make_tiny_model
-    import tempfile, pathlib
 
-    draft_dir = make_tiny_model(pathlib.Path(tempfile.mkdtemp()), arch="qwen2", seed=3)
-    chain, steps = _proposer(tiny_model_dir, draft_dir, True), _proposer(tiny_model_dir, draft_dir, False)
+    draft_dir = make_tiny_model(tmp_path, arch="qwen2", seed=3)
+    chain, steps = (_proposer(tiny_model_dir, draft_dir, True, device),
+                    _proposer(tiny_model_dir, draft_dir, False, device))
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     ctx = {"a": [1, 5, 9, 14, 3], "b": [7, 7, 2], "c": [4, 8, 15, 16, 23, 42, 8]}
     ks = {"a": 4, "b": 1, "c": 6}
