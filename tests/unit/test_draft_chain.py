@@ -48,13 +48,3 @@ def test_greedy_chain_equals_step_by_step(tiny_model_dir, tmp_path, device):
     for r in ctx:
         assert chain.draft.kv.lengths[chain.seqs[r].slot] == steps.draft.kv.lengths[steps.seqs[r].slot]
 
-
-def test_engine_freezes_what_it_loaded(tiny_model_dir):
-    """The engine moves its start-up objects out of the cyclic GC's generations (gc.freeze)."""
-    import gc
-
-    from specserve import LLM
-
-    gc.unfreeze()
-    LLM(str(tiny_model_dir), max_model_len=64, max_num_seqs=2)
-    assert gc.get_freeze_count() > 0
