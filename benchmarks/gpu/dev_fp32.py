@@ -35,6 +35,7 @@ def main() -> None:
     from specserve.model import triton_ops as ops
 
     res = {}
+    default = ops.FP32_ATTENTION_PRECISION
     H, Hkv, D, L, S = 14, 2, 64, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(0)
     for B, qn in ((1, 1), (16, 4)):
@@ -57,7 +58,7 @@ def main() -> None:
                 key = f"B{B}_q{qn}_{str(dtype)[6:]}_{prec}"
                 res[key] = {"us": us, "rel_err": err}
                 print(key, res[key], flush=True)
-    ops.FP32_ATTENTION_PRECISION = "ieee"
+    ops.FP32_ATTENTION_PRECISION = default
     Path(sys.argv[1]).write_text(json.dumps(res, indent=1))
 
 

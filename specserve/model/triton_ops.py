@@ -320,7 +320,7 @@ ATTENTION_SPLIT = 128  # keys per split for decode / verify rows (flash-decoding
 SPLIT_MAX_QLEN = 16  # sequences with at most this many new tokens take the split path
 # fp32 attention's tl.dot: "ieee" (fp32 FMA) or "tf32x3" (tensor cores, three tf32 passes: close to fp32);
 # docs/gpu-notes.md has what each costs on the H200
-FP32_ATTENTION_PRECISION = "ieee"
+FP32_ATTENTION_PRECISION = "tf32x3"
 
 
 def attention_tile(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
