@@ -162,7 +162,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for requests that give none (default: drawn at random at start-up and printed)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json"],
+                   help="how tool calls are read from the model's output (auto: from the chat template)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="per-request prompt limit in tokens (default: the context minus one output token)")
+    p.add_argument("--watchdog-s", type=float, default=60.0,
+                   help="/health turns 503 when requests are pending and no engine step finished for this "
+                        "long (0 = off)")
     add_cuda_arguments(p)
     p.add_argument("--allow-profile-override", action="store_true",
                    help="let a request pick its profile (`profile` field or x-specserve-profile header); "
@@ -176,7 +184,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "(without it a rollout lives in memory only)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs before new ones get 503 + Retry-After")
-    p.add_argument("--graceful-shutdown-s", type=float, default=5.0, help="time streams get to finish on shutdown")
+    p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
+                   help="on SIGTERM / SIGINT: new requests get 503 at once; running ones get this long to finish, "
+                        "then end with an error event (streams) or a 503 body")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
 

@@ -8,6 +8,7 @@ choices; there is no silent fallback to "no speculation".
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -15,6 +16,29 @@ from typing import Any
 class ConfigError(ValueError):
     """Raised for an invalid engine or speculative configuration; the message says what is valid."""
 
+
+def _check_number(key: str, value: Any, low: float | None, high: float | None, *, integer: bool,
+                  low_open: bool = False) -> None:
+    """Raise ConfigError naming `key` and its valid range unless `value` is an integer (not a bool, not a
+    fraction) / a finite number within it."""
+    kind = "an integer" if integer else "a number"
+    rng = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else f"{'>' if low_open else '>='} {low:g}"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{key} must be {kind} {'in ' if high is not None else ''}{rng}, got {value!r} "
+                          f"({type(value).__name__})")
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        raise ConfigError(f"{key} must be {kind} {'in ' if high is not None else ''}{rng}, got {value!r}")
+
+
+DEFAULT_PROMPT_LOOKUP = (1, 4)
+# key -> (low, high) of the integer keys, (low, high, low excluded) of the number keys
+_INT_KEYS = {
+    "num_speculative_tokens": (1, 64), "prompt_lookup_min": (1, 64), "prompt_lookup_max": (1, 64),
+    "suffix_decoding_max_tree_depth": (1, 1024), "suffix_decoding_max_cached_requests": (0, 10_000_000),
+    "draft_tensor_parallel_size": (1, 1),
+}
+_FLOAT_KEYS = {"suffix_decoding_max_spec_factor": (0, 1e6, True), "suffix_decoding_min_token_prob": (0, 1, False)}
 
 # Methods that run in this engine. Others that vLLM users may name are refused with a clear error.
 SUPPORTED_METHODS = ("ngram", "suffix", "draft_model")
@@ -29,7 +53,8 @@ class SpeculativeConfig:
         method: "ngram" (prompt lookup), "suffix" (SuffixDecoding, Oliaro et al. 2024) or "draft_model".
         num_speculative_tokens: k, the drafts proposed per step (>= 1).
         model: draft model name / path (draft_model only).
-        prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first (ngram only); when only
+            one is given the other takes its value (vLLM's rule), when neither 1 and 4.
         suffix_decoding_max_tree_depth: longest suffix matched and deepest speculation (suffix only).
         suffix_decoding_max_cached_requests: finished requests kept in the global tree (suffix only).
         suffix_decoding_max_spec_factor: drafts <= factor * match length (suffix only).
@@ -47,8 +72,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 5
     model: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int | None = None  # None: the other size's value, or 1 when neither is given
+    prompt_lookup_max: int | None = None  # None: the other size's value, or 4 when neither is given
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -59,45 +84,55 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         m = self.method
+        if not isinstance(m, str):
+            raise ConfigError(f'"method" must be a string (one of {", ".join(SUPPORTED_METHODS)}), got {m!r}')
         if m in KNOWN_UNSUPPORTED_METHODS:
             raise ConfigError(
                 f"speculative method {m!r} is not supported yet; supported methods: {', '.join(SUPPORTED_METHODS)}"
             )
         if m not in SUPPORTED_METHODS:
             raise ConfigError(f"unknown speculative method {m!r}; supported methods: {', '.join(SUPPORTED_METHODS)}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
-            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}")
+        # vLLM's rule for the n-gram sizes: a missing one takes the other's value
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:
+                _check_number(key, value, *_INT_KEYS[key], integer=True)
+        if lo is None and hi is None:
+            lo, hi = DEFAULT_PROMPT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_min", hi if lo is None else lo)
+        object.__setattr__(self, "prompt_lookup_max", lo if hi is None else hi)
+        for key, (low, high) in _INT_KEYS.items():
+            _check_number(key, getattr(self, key), low, high, integer=True)
+        for key, (low, high, low_open) in _FLOAT_KEYS.items():
+            _check_number(key, getattr(self, key), low, high, integer=False, low_open=low_open)
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(f'"model" must be a string (a draft model name or path), got {self.model!r}')
         if m == "draft_model" and not self.model:
             raise ConfigError('method "draft_model" needs "model": the draft model name or path')
         if m != "draft_model" and self.model:
             raise ConfigError(f'"model" is only used by method "draft_model", not {m!r}')
-        if m == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if m == "ngram" and not self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+                f"need prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
-        if self.suffix_decoding_max_tree_depth < 1:
-            raise ConfigError("suffix_decoding_max_tree_depth must be >= 1")
-        if self.suffix_decoding_max_cached_requests < 0:
-            raise ConfigError("suffix_decoding_max_cached_requests must be >= 0")
-        if self.suffix_decoding_max_spec_factor <= 0:
-            raise ConfigError("suffix_decoding_max_spec_factor must be > 0")
-        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
-            raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
         if self.num_speculative_tokens_schedule not in ("constant", "heuristic"):
             raise ConfigError(
                 f'num_speculative_tokens_schedule must be "constant" or "heuristic", got {self.num_speculative_tokens_schedule!r}'
             )
-        if self.draft_tensor_parallel_size != 1:
-            raise ConfigError("draft_tensor_parallel_size other than 1 is not supported (single device engine)")
         if self.num_speculative_tokens_per_batch_size is not None:
-            pairs = tuple(tuple(int(x) for x in p) for p in self.num_speculative_tokens_per_batch_size)
+            pairs = self.num_speculative_tokens_per_batch_size
+            if not isinstance(pairs, (list, tuple)) or not pairs:
+                raise ConfigError("num_speculative_tokens_per_batch_size must be a non-empty list of "
+                                  f"[max_batch_size, k] pairs, got {pairs!r}")
             for p in pairs:
-                if len(p) != 2 or p[0] < 1 or not 0 <= p[1] <= self.num_speculative_tokens:
+                ok = isinstance(p, (list, tuple)) and len(p) == 2 and all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in p)
+                if not ok or p[0] < 1 or not 0 <= p[1] <= self.num_speculative_tokens:
                     raise ConfigError(
                         "num_speculative_tokens_per_batch_size must be a list of [max_batch_size >= 1, "
-                        f"0 <= k <= num_speculative_tokens] pairs, got {p!r}"
+                        f"0 <= k <= num_speculative_tokens] integer pairs, got {p!r}"
                     )
-            object.__setattr__(self, "num_speculative_tokens_per_batch_size", tuple(sorted(pairs)))
+            object.__setattr__(self, "num_speculative_tokens_per_batch_size", tuple(sorted(tuple(p) for p in pairs)))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SpeculativeConfig | None":
@@ -141,10 +176,19 @@ class SpeculativeConfig:
             return 0
         return self.num_speculative_tokens
 
+    def effective(self) -> dict[str, Any]:
+        """Every key with the value in force after defaults (what start-up prints and /v1/models,
+        /admin/profiles show), JSON-ready."""
+        d = asdict(self)
+        if d["num_speculative_tokens_per_batch_size"] is not None:
+            d["num_speculative_tokens_per_batch_size"] = [list(p) for p in d["num_speculative_tokens_per_batch_size"]]
+        return d
+
     def to_dict(self) -> dict[str, Any]:
         """The non-default keys plus method and k, JSON-ready."""
         out = {}
         defaults = {f.name: f.default for f in fields(self)}
+        defaults["prompt_lookup_min"], defaults["prompt_lookup_max"] = DEFAULT_PROMPT_LOOKUP
         for k, v in asdict(self).items():
             if k in ("method", "num_speculative_tokens") or v != defaults[k]:
                 out[k] = v

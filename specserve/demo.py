@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default="out/demo", help="where the report and summaries go (default out/demo)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes", "llama3_json"],
+                   help="passed to the server: how tool calls are read from the model's output (auto: from the "
+                        "chat template; the tool_call segment needs one)")
     p.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -79,19 +82,20 @@ def prepare_model(model_ref: str, progress: bool):
 
 
 def preset_samples(args):
-    """(samples, sources, warm-up samples) of the demo: `--num-prompts` per built-in segment, warm-up
-    requests of at most 16 tokens from other samples, every request greedy and capped at --max-tokens."""
+    """(samples, sources, warm-up samples, where those come from) of the demo: `--num-prompts` per
+    built-in segment, warm-up requests of at most 16 tokens that repeat no measured prompt, every
+    request greedy and capped at --max-tokens."""
     from specserve.bench import datasets
 
     builtin = [n for n in datasets.parse_dataset_arg(args.segments) if n in datasets.SEGMENTS]
     samples, sources = datasets.load_samples(args.segments, args.num_prompts * max(len(builtin), 1), args.seed,
                                              args.max_tokens, args.max_prompt_chars)
-    warm, _ = datasets.load_samples(",".join(builtin) or args.segments, args.warmup, args.seed + 1_000_003,
-                                    min(args.max_tokens, 16), args.max_prompt_chars) if args.warmup > 0 else ([], [])
+    warm, warm_source = datasets.warmup_samples(args.segments, args.warmup, args.seed, min(args.max_tokens, 16),
+                                                args.max_prompt_chars, samples)
     for s in samples + warm:  # the demo compares greedy outputs: every request is temperature 0
         s.temperature = 0.0
         s.max_tokens = min(s.max_tokens, args.max_tokens)
-    return samples, sources, warm
+    return samples, sources, warm, warm_source
 
 
 def preset_config(args, base_url: str, profiles: list[str], num_samples: int):
@@ -101,7 +105,7 @@ def preset_config(args, base_url: str, profiles: list[str], num_samples: int):
     return runner.BenchConfig(
         base_url=base_url + "/v1", dataset=args.segments, num_prompts=num_samples, seed=args.seed,
         max_tokens=args.max_tokens, max_prompt_chars=args.max_prompt_chars, concurrency=list(args.concurrency),
-        profiles=profiles, warmup=args.warmup, strict_warmup=True, progress=not args.no_progress,
+        profiles=profiles, warmup=args.warmup, progress=not args.no_progress,
         timeout_s=max(600.0, args.server_timeout))
 
 
@@ -166,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     profiles_path, pset, names = _profiles(args, out)
-    samples, sources, warm = preset_samples(args)
+    samples, sources, warm, warm_source = preset_samples(args)
 
     _say(f"1/4 model {args.model}")
     t = time.perf_counter()
@@ -174,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     timings["model_s"] = time.perf_counter() - t
 
     server = ServerProcess(["--model", str(files.path), "--profiles", profiles_path, "--allow-profile-override",
-                            "--dtype", args.dtype, "--device", args.device,
+                            "--dtype", args.dtype, "--device", args.device, "--tool-call-parser", args.tool_call_parser,
                             "--max-num-seqs", str(max(2, max(args.concurrency))), "--log-level", "warning"],
                            out / "server.log")
     prev = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -197,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
              f"each profile after {len(warm)} warm-up request(s), not counted")
         t = time.perf_counter()
         cfg = preset_config(args, server.base_url, names, len(samples))
-        summary, rows = runner.run_bench_sync(cfg, samples=samples, sources=sources, warm=warm)
+        summary, rows = runner.run_bench_sync(cfg, samples=samples, sources=sources, warm=warm, warm_source=warm_source)
         timings["bench_s"] = time.perf_counter() - t
     finally:
         t = time.perf_counter()
@@ -219,6 +223,7 @@ def _run(args: argparse.Namespace) -> int:
             "num_requests_per_profile": len(samples), "max_tokens": args.max_tokens,
             "concurrency": list(args.concurrency), "seed": args.seed, "warmup_per_profile": len(warm),
             "rows": compare.profile_rows(summary, rows), "errors": sum(1 for r in rows if r.get("error")),
+            "problems": summary["problems"], "warnings": summary["warnings"],
             "profile_mismatches": sum(r.get("profile_mismatches", 0) for r in summary["runs"]),
             "timings_s": {k: round(v, 2) for k, v in timings.items()},
             "load_avg": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
@@ -235,8 +240,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def print_results(demo: dict) -> int:
-    """Print the comparison table, the verdict lines, WARNINGs and file paths; fills demo['greedy_match'].
-    Returns 0, or 1 when a greedy output differed from baseline or a request failed."""
+    """Print the comparison table, the verdict lines, PROBLEM / WARNING lines and file paths; fills
+    demo['greedy_match']. Returns 0, or 1 when a greedy output differed from baseline, a request failed
+    or the run has another problem (`bench/checks.py`)."""
     from specserve.bench.console import cell, print_profile_table
 
     table, files, t = demo["rows"], demo["files"], demo["timings_s"]
@@ -248,8 +254,9 @@ def print_results(demo: dict) -> int:
     for r in table:
         if r["segment"] == "all" and r["greedy_match"]:
             sp = r["speedup_tpot"]
-            print(f"{r['load']} overall: {r['profile']} speedup {cell(sp, '{:.2f}x')} "
-                  f"({'faster' if (sp or 0) > 1 else 'not faster'} than baseline per output token), tokens/s "
+            verdict = ("not comparable: see the WARNING lines" if r.get("comparable") is False else
+                       f"{'faster' if (sp or 0) > 1 else 'not faster'} than baseline per output token")
+            print(f"{r['load']} overall: {r['profile']} speedup {cell(sp, '{:.2f}x')} ({verdict}), tokens/s "
                   f"{cell(r['tokens_per_s_ratio'], '{:.2f}x')} baseline, mean acceptance length "
                   f"{cell(r['mean_acceptance_length'], '{:.2f}')}")
     print(f"greedy outputs identical to baseline: {same}/{total}")
@@ -260,7 +267,11 @@ def print_results(demo: dict) -> int:
                if r["segment"] != "all" and r["greedy_match"] and r["greedy_match"][0] != r["greedy_match"][1]]
         print(f"WARNING: greedy outputs differ from baseline on {total - same} of {total} requests "
               f"({'; '.join(bad) or 'nothing compared'}): speculation must be lossless; see {files['requests']}")
-    if demo["errors"] or demo["profile_mismatches"]:
+    for p in demo["problems"]:
+        print(f"PROBLEM: {p['message']}")
+    for w in demo["warnings"]:
+        print(f"WARNING: {w['message']}")
+    if demo["errors"] or demo["profile_mismatches"] or demo["problems"]:
         status = 1
         print(f"WARNING: {demo['errors']} request(s) failed and {demo['profile_mismatches']} were served by "
               f"another profile; see {files['requests']} and {files['server_log']}")

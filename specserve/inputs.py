@@ -50,10 +50,19 @@ class TokenPrompt:
 @dataclass(frozen=True)
 class ChatPrompt:
     """Chat messages (OpenAI shape, content as text) and optional tool definitions, rendered with the
-    model's chat template and a generation prompt."""
+    model's chat template.
+
+    Attributes:
+        add_generation_prompt: end with the assistant's turn header (default; vLLM's option).
+        continue_final_message: leave the last (assistant) message open so the model continues it.
+        template_kwargs: extra variables for the template (vLLM's `chat_template_kwargs`).
+    """
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "messages", tuple(self.messages))

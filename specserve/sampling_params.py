@@ -31,7 +31,7 @@ class SamplingParamsError(InvalidRequestError):
     """
 
     def __init__(self, param: str, requirement: str, value: Any = _NO_VALUE):
-        got = "" if value is _NO_VALUE else f", got {value!r}"
+        got = "" if value is _NO_VALUE else f", got {_short_repr(value)}"
         super().__init__(f"{param} {requirement}{got}", param=param)
         self.requirement = requirement
         self.value = value
@@ -40,6 +40,15 @@ class SamplingParamsError(InvalidRequestError):
         """The same error under the name of the request field that set this parameter (the server's
         `max_completion_tokens` sets `max_tokens`)."""
         return SamplingParamsError(param, self.requirement, self.value)
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters (a client's value quoted back in an error message)."""
+    try:
+        r = repr(value)
+    except ValueError:  # an int too long for str()
+        r = f"<{type(value).__name__}>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,12 @@ class _Range:
 
     def requirement(self) -> str:
         kind = "an integer" if self.integer else "a number"
+        lo, hi = (str(int(x)) if self.integer and x is not None else f"{x:g}" if x is not None else None
+                  for x in (self.low, self.high))
         if self.low is not None and self.high is not None:
-            bounds = f" in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+            bounds = f" in {'(' if self.low_open else '['}{lo}, {hi}]"
         elif self.low is not None:
-            bounds = f" {'>' if self.low_open else '>='} {self.low:g}"
+            bounds = f" {'>' if self.low_open else '>='} {lo}"
         else:
             bounds = ""
         return f"must be {kind}{bounds}{self.note}"
@@ -71,25 +82,30 @@ class _Range:
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
             raise SamplingParamsError(self.name, self.requirement(), value)
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        if not math.isfinite(value) or too_low or (self.high is not None and value > self.high):
+        if (isinstance(value, float) and not math.isfinite(value)) or too_low or (self.high is not None and value > self.high):
             raise SamplingParamsError(self.name, self.requirement(), value)
 
 
 # The one place where value ranges are checked (the server's protocol builds SamplingParams, so its
 # 400s come from here too).
+_INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (vLLM's bound)
+MIN_TOP_P = 1e-6  # below this the nucleus mass rounds to 0 in float32 and the sampler would keep no token
+MAX_TEMPERATURE = 100.0  # logits / temperature stays finite and informative; above it sampling is uniform
+
 _RANGES = (
-    _Range("n", integer=True, low=1),
-    _Range("temperature", integer=False, low=0),
-    _Range("top_p", integer=False, low=0, high=1, low_open=True),
-    _Range("top_k", integer=True, low=-1, note=" (-1 or 0 disables it)"),
+    _Range("n", integer=True, low=1, high=4096),
+    _Range("temperature", integer=False, low=0, high=MAX_TEMPERATURE),
+    _Range("top_p", integer=False, low=MIN_TOP_P, high=1),
+    _Range("top_k", integer=True, low=-1, high=_INT32_MAX, note=" (-1 or 0 disables it)"),
     _Range("min_p", integer=False, low=0, high=1),
     _Range("presence_penalty", integer=False, low=-2, high=2),
     _Range("frequency_penalty", integer=False, low=-2, high=2),
     _Range("repetition_penalty", integer=False, low=0.01, high=100),
-    _Range("max_tokens", integer=True, low=1, optional=True),
-    _Range("min_tokens", integer=True, low=0),
+    _Range("max_tokens", integer=True, low=1, high=_INT32_MAX, optional=True),
+    _Range("min_tokens", integer=True, low=0, high=_INT32_MAX),
     _Range("logprobs", integer=True, low=0, high=20, optional=True),
-    _Range("seed", integer=True, optional=True),
+    _Range("seed", integer=True, low=SEED_MIN, high=SEED_MAX, optional=True),
 )
 
 
@@ -99,12 +115,12 @@ class SamplingParams:
 
     Attributes:
         n: number of independent completions for the prompt (>= 1).
-        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax (below 1e-5 it is
-            treated as 0, as in vLLM).
-        top_p: nucleus mass in (0, 1]; 1 disables it.
+        temperature: in [0, 100]; 0 means greedy (argmax); > 0 divides the logits before softmax (below
+            1e-5 it is treated as 0, as in vLLM).
+        top_p: nucleus mass in [1e-6, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         min_p: drop tokens whose probability is below min_p * max probability; 0 disables it.
-        seed: per-request seed. The same seed gives the same tokens whether the request runs alone or in
+        seed: per-request seed, a signed 64-bit integer. The same seed gives the same tokens whether the request runs alone or in
             any batch (every uniform is a function of the seed and the output position; docs/step-plan.md).
             With ngram or suffix speculation (one-hot drafts) it also gives the same tokens as without
             speculation (README, "Guarantees"); with a draft model that samples its drafts a seed is
@@ -187,7 +203,10 @@ class SamplingParams:
     def for_choice(self, index: int) -> "SamplingParams":
         """Parameters of completion `index` of an n > 1 request: n = 1, and seed s becomes s + index so
         the n completions differ but stay reproducible (offline and over HTTP alike)."""
-        return self.clone(n=1, seed=None if self.seed is None else self.seed + index)
+        if self.seed is None:
+            return self.clone(n=1)
+        seed = (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wraps within the signed 64-bit range
+        return self.clone(n=1, seed=seed)
 
 
 def _clean_logit_bias(logit_bias: dict | None) -> dict[int, float] | None:

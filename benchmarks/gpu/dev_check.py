@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-# qwen2.5-coder-1.5b-instruct as its GGUF converts (DESIGN.md section 6), when no config file is given
+# qwen2.5-coder-1.5b-instruct as its GGUF converts (docs/design.md section 6), when no config file is given
 CFG_1_5B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
             "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
             "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,

@@ -3,8 +3,12 @@
 `specserve bench [options]` runs a benchmark; `specserve bench compare A.json B.json` prints
 per-segment ratios of two saved summaries; `specserve bench report summary.json` re-renders the
 HTML. Only argparse is imported at module level, so `specserve --help` stays fast.
-Output of a run: progress bar on stderr, console tables on stdout, then the JSON summary as the last
-stdout line; files `summary.json`, `requests.jsonl` and `report.html` in `--output-dir`.
+Output of a run: progress bar on stderr, console tables on stdout (then PROBLEM / WARNING lines: what
+could mislead, see `checks.py`), then the JSON summary as the last stdout line; files `summary.json`,
+`requests.jsonl` and `report.html` in `--output-dir`. Exit status: 0; 1 when the run has a problem
+(failed requests unless --allow-errors, a profile no response confirmed unless
+--allow-unverified-profile, a profile mismatch) or its warm-up failed; 2 for a usage error, an
+unreachable server or a missing dataset.
 """
 from __future__ import annotations
 
@@ -47,7 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "humaneval, bfcl, all; or a .jsonl path of {prompt|messages, segment, max_tokens}")
     p.add_argument("--num-prompts", type=int, default=60, help="requests per run, split evenly over the segments")
     p.add_argument("--seed", type=int, default=0, help="sample seed (same seed, same requests)")
-    p.add_argument("--max-tokens", type=int, default=256, help="cap on each request's max_tokens")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="cap on each request's max_tokens (built-in segments and .jsonl lines alike)")
+    p.add_argument("--output-len", type=int, metavar="N",
+                   help="fixed output length: every request's max_tokens = N (overrides the datasets' lengths and "
+                        "--max-tokens; add --ignore-eos so that every request generates exactly N tokens)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (vLLM's field): generate to max_tokens, for throughput runs; requests "
+                        "that still end early are reported as a WARNING")
     p.add_argument("--max-prompt-chars", type=int, default=3000,
                    help="longest chat/creative prompt taken (characters); summarize texts are 2/3 to 2x this")
     load = p.add_mutually_exclusive_group()
@@ -56,12 +67,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight with --request-rate")
     p.add_argument("--profile", nargs="+", metavar="P",
-                   help="server profiles to run, first = baseline (sent as the `profile` body field)")
+                   help="server profiles to run, first = baseline (sent as the `profile` body field); each "
+                        "response must name the profile that served it (x-specserve-profile header or "
+                        "specserve.profile), see --allow-unverified-profile")
     p.add_argument("--profile-header", action="store_true", help="send the profile as x-specserve-profile instead")
     p.add_argument("--repeats", type=int, default=1, help="runs per (profile, load); the report shows the spread")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per profile (other samples, not counted)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="warm-up requests per profile, not counted; never a measured prompt (other samples of the "
+                        "built-in segments, or short neutral prompts for a .jsonl dataset); a failed one stops the "
+                        "run unless --allow-errors")
+    p.add_argument("--allow-errors", action="store_true",
+                   help="accept failed requests (warm-up included): the run is still marked FAILED in every output "
+                        "but exits 0")
+    p.add_argument("--allow-unverified-profile", action="store_true",
+                   help="with --profile: the server cannot report which profile served a request (e.g. vLLM, which "
+                        "ignores the profile field and header): run anyway, marked UNVERIFIED in every output")
     p.add_argument("--slo", type=parse_slo, help="goodput SLOs in ms, e.g. ttft:500,tpot:50")
-    p.add_argument("--logprobs", action="store_true", help="ask for logprobs to count tokens per chunk exactly")
+    p.add_argument("--logprobs", action="store_true",
+                   help="ask for logprobs to count tokens per chunk exactly when the server sends no usage on "
+                        "every chunk (stream_options.continuous_usage_stats); without either, per-token ITL is "
+                        "an ESTIMATE")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--metrics-url", help="Prometheus URL (default: base URL's root + /metrics)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (env OPENAI_API_KEY)")
@@ -137,9 +162,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, profiles=args.profile or [None],
         profile_header=args.profile_header, repeats=args.repeats, warmup=args.warmup, slo=args.slo,
         logprobs=args.logprobs, timeout_s=args.timeout, metrics_url=args.metrics_url, api_key=args.api_key,
-        progress=not args.no_progress)
-    if cfg.num_prompts < 1 or cfg.repeats < 1 or any(c < 1 for c in cfg.concurrency):
-        raise ValueError("--num-prompts, --repeats and --concurrency must be >= 1")
+        progress=not args.no_progress, allow_errors=args.allow_errors,
+        allow_unverified_profile=args.allow_unverified_profile, ignore_eos=args.ignore_eos, output_len=args.output_len)
+    if cfg.num_prompts < 1 or cfg.repeats < 1 or any(c < 1 for c in cfg.concurrency) or cfg.max_tokens < 1:
+        raise ValueError("--num-prompts, --repeats, --concurrency and --max-tokens must be >= 1")
+    if cfg.warmup < 0 or (cfg.output_len is not None and cfg.output_len < 1):
+        raise ValueError("--warmup must be >= 0 and --output-len >= 1")
     out = Path(args.output_dir or f"bench-results/{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}")
     try:
         summary, rows = runner.run_bench_sync(cfg)
@@ -149,9 +177,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     except httpx.HTTPError as e:
         print(f"specserve: error: cannot reach {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except runner.WarmupError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 1
     report.save_run(out, summary, rows, html=not args.no_html)
     console.print_summary(summary)
     print(f"wrote {out}/summary.json, requests.jsonl{'' if args.no_html else ', report.html'}", file=sys.stderr)
     sys.stdout.flush()
     print(json.dumps(summary))
-    return 0
+    return 1 if summary["problems"] else 0

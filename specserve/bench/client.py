@@ -3,20 +3,25 @@
 What it does: sends each `Sample` as a streamed request (`/v1/chat/completions` for messages,
 `/v1/completions` for a prompt), either closed-loop at a fixed concurrency or open-loop with gamma
 arrivals (`request_rate` req/s, `burstiness` = gamma shape, 1.0 = Poisson, as vLLM's bench), and keeps
-one `RequestRecord` per request: send time, each token-bearing chunk's time and token count, usage,
-errors, the served profile and our server's `specserve` numbers when present.
+one `RequestRecord` per request: send time, each token-bearing chunk's time and token count, the
+stream's last chunk's time, usage, errors, the response id, the profile the server named (header
+`x-specserve-profile` or the body's `specserve.profile`; None when it named none), the generated text
+and our server's `specserve` numbers when present.
 
 Tokens per chunk (the `token_count_source` of a record), best source first:
-- `usage`: the chunk carries cumulative `usage.completion_tokens` (vLLM with
-  `stream_options.continuous_usage_stats`, which we always ask for); count = increase since the last
-  token-bearing chunk.
-- `logprobs`: with `logprobs=True`, the number of logprob entries in the chunk (one per token).
-- `chunks`: otherwise each token-bearing chunk counts as `completion_tokens / #chunks` (an even spread,
-  approximate when a server sends several tokens in some chunks and one in others).
-A chunk is token-bearing when it carries text or, by usage or logprobs, at least one token (a token
-may detokenize to nothing yet, e.g. part of a UTF-8 character); tokens in the final usage that no
-chunk accounted for are added to the last one, so counts sum to `completion_tokens`. A stream with
-tokens but no text and no counts gets one token-bearing chunk at its `finish_reason` chunk.
+- `usage` (exact): every chunk carries the choice's cumulative `usage.completion_tokens` (vLLM's
+  `stream_options.continuous_usage_stats`, which we always ask for); count = the increase.
+- `logprobs` (exact): every chunk with text carries logprobs (ask with `logprobs=True`); count = its
+  logprob entries (one per token).
+- `estimate`: otherwise `completion_tokens` is spread evenly over the token-bearing chunks. This is
+  NOT a measurement (a speculative server sends several tokens in some chunks and one in others):
+  every output that shows per-token ITL labels it an ESTIMATE.
+A chunk is token-bearing when it carries text or, by the exact count, at least one token (a token may
+detokenize to nothing yet, e.g. part of a UTF-8 character or a stop-string prefix); for the estimate,
+the stream's last chunk counts too when it has no text (it usually carries the EOS token). Tokens in
+the final usage that no chunk accounted for are added to the last token-bearing chunk, so counts sum
+to `completion_tokens`. E2E ends at the stream's last chunk that carries a choice, whatever its text
+(`last_chunk_ms`: a stream that ends on EOS has an empty last chunk).
 Pieces: `sse_events` reads the stream (arrival time + parsed event), `ChunkCounter` counts tokens
 per chunk, `send_one` ties them to one request's record, `run_load` runs the whole load.
 What it does not do: compute percentiles (see `metrics.py`) or retry failed requests.
@@ -38,30 +43,35 @@ from specserve.bench.datasets import Sample
 
 @dataclass
 class RequestRecord:
+    """One measured request (a row of requests.jsonl). Times in ms are measured from the send."""
     sample_id: str
     segment: str
     profile: str | None = None          # requested profile (None: the server chooses)
-    served_profile: str | None = None   # what the server says it used (header or body)
+    served_profile: str | None = None   # what the server says it used (header or body); None: it did not say
+    response_id: str | None = None      # the response's `id` (else the x-request-id header)
     send_time_s: float = 0.0            # seconds since the run started
     chunks: list = field(default_factory=list)  # [[ms since send, tokens], ...] token-bearing chunks only
-    token_count_source: str | None = None
-    output_tokens: int | None = None    # usage.completion_tokens
+    token_count_source: str | None = None  # usage | logprobs (exact) | estimate
+    output_tokens: int | None = None    # usage.completion_tokens (None: the server sent no usage)
     input_tokens: int | None = None     # usage.prompt_tokens
-    stream_end_ms: float | None = None
+    last_chunk_ms: float | None = None  # the stream's last chunk with a choice, whatever its text (E2E)
+    stream_end_ms: float | None = None  # data: [DONE] (or the end of the body)
     finish_reason: str | None = None
     status: int | None = None
     error: str | None = None
     specserve: dict | None = None
     temperature: float = 0.0
     max_tokens: int = 0
-    text: str = ""
+    text: str = ""                      # the generated text (content, reasoning and tool-call pieces)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def request_body(sample: Sample, model: str, profile: str | None, logprobs: bool) -> tuple[str, dict]:
-    """(path, JSON body) of the streamed request for one sample."""
+def request_body(sample: Sample, model: str, profile: str | None, logprobs: bool,
+                 ignore_eos: bool = False) -> tuple[str, dict]:
+    """(path, JSON body) of the streamed request for one sample; `ignore_eos` sends vLLM's `ignore_eos`
+    (generate exactly max_tokens, for throughput runs)."""
     body: dict = {"model": model, "max_tokens": sample.max_tokens, "temperature": sample.temperature,
                   "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if sample.messages is not None:
@@ -74,6 +84,8 @@ def request_body(sample: Sample, model: str, profile: str | None, logprobs: bool
         path, body["prompt"] = "/completions", sample.prompt
         if logprobs:
             body["logprobs"] = 0
+    if ignore_eos:
+        body["ignore_eos"] = True
     if profile:
         body["profile"] = profile
     body.update(sample.extra)
@@ -102,21 +114,6 @@ def _n_logprobs(choice: dict) -> int | None:
     return None
 
 
-def _counts(snaps: list, usage_mode: bool, lp_mode: bool, total: int | None) -> tuple[list, str]:
-    """Token counts per token-bearing chunk from (t, cum_usage, cum_logprobs) snapshots."""
-    if usage_mode or lp_mode:
-        idx, src = (1, "usage") if usage_mode else (2, "logprobs")
-        cum = [s[idx] for s in snaps]
-        counts = [b - a for a, b in zip([0] + cum[:-1], cum)]
-        if total is not None and total > cum[-1]:
-            counts[-1] += total - cum[-1]
-        return counts, src
-    n = len(snaps)
-    if total is None or total == n:
-        return [1] * n, "chunks"
-    return [round(total / n, 6)] * n, "chunks"
-
-
 async def sse_events(resp: httpx.Response, t0: float) -> AsyncIterator[tuple[float, dict]]:
     """The SSE reader: (ms since `t0`, parsed JSON) for each `data:` event of a streamed response,
     until `data: [DONE]`; other lines (comments, blank separators) are skipped.
@@ -135,54 +132,76 @@ async def sse_events(resp: httpx.Response, t0: float) -> AsyncIterator[tuple[flo
 
 @dataclass
 class ChunkCounter:
-    """The counter: the text, finish reason and tokens of each token-bearing chunk of one stream.
+    """The counter: text, finish reason and tokens of each chunk of one stream (module docstring).
 
     `add(ms, event)` takes the stream's events in order; `chunks(completion_tokens)` then gives the
-    `[[ms, tokens], ...]` of the token-bearing chunks and the count's source (module docstring).
+    `[[ms, tokens], ...]` of the token-bearing chunks and the count's source.
     """
 
-    snaps: list = field(default_factory=list)  # (ms, cum usage tokens, cum logprob tokens) per token-bearing chunk
-    cum_usage: int = 0
-    cum_lp: int = 0
-    usage_mode: bool = False
-    lp_mode: bool = False
+    # (ms, text piece, cumulative usage.completion_tokens or None, logprob entries or None) per chunk with a choice
+    events: list = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
-    finish_ms: float | None = None
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
+    @property
+    def last_ms(self) -> float | None:
+        """Arrival (ms) of the stream's last chunk that carried a choice, whatever its text."""
+        return self.events[-1][0] if self.events else None
+
     def add(self, ms: float, ev: dict) -> None:
-        """Count one event that arrived `ms` after the request was sent."""
-        usage, choices = ev.get("usage"), ev.get("choices") or []
-        if not choices:
+        """Count one event that arrived `ms` after the request was sent (events without choices,
+        such as the final usage chunk, carry no tokens of their own)."""
+        ch = next((c for c in ev.get("choices") or [] if c.get("index", 0) == 0), None)
+        if ch is None:  # the usage chunk, or another choice of an n > 1 request (only choice 0 is measured)
             return
-        if usage and usage.get("completion_tokens") is not None:
-            self.usage_mode, self.cum_usage = True, usage["completion_tokens"]
-        ch = choices[0]
-        n_lp = _n_logprobs(ch)
-        if n_lp is not None:
-            self.lp_mode, self.cum_lp = True, self.cum_lp + n_lp
+        usage = ev.get("usage")
+        cum = usage.get("completion_tokens") if isinstance(usage, dict) else None
         piece = _chunk_text(ch)
         self.pieces.append(piece)
-        last = self.snaps[-1] if self.snaps else (0, 0, 0)
-        if piece or self.cum_usage > last[1] or self.cum_lp > last[2]:  # text, or tokens the text holds back
-            self.snaps.append((ms, self.cum_usage, self.cum_lp))
+        self.events.append((ms, piece, cum, _n_logprobs(ch)))
         if ch.get("finish_reason"):
-            self.finish_reason, self.finish_ms = ch["finish_reason"], ms
+            self.finish_reason = ch["finish_reason"]
+
+    def source(self) -> str:
+        """`usage` when every chunk carried cumulative usage, else `logprobs` when every chunk with
+        text carried logprobs, else `estimate`."""
+        ev = self.events
+        if ev and all(e[2] is not None for e in ev):
+            return "usage"
+        if any(e[3] is not None for e in ev) and all(e[3] is not None for e in ev if e[1]):
+            return "logprobs"
+        return "estimate"
 
     def chunks(self, total: int | None) -> tuple[list, str | None]:
         """([[ms, tokens], ...], token count source), or ([], None) when no chunk bore a token.
         `total` = usage.completion_tokens (None when the server sent no usage)."""
-        snaps = self.snaps
-        if not snaps and self.finish_ms is not None and (total or 0) > 0:
-            snaps = [(self.finish_ms, self.cum_usage, self.cum_lp)]  # tokens with no text at all (partial UTF-8)
-        if not snaps:
+        src = self.source()
+        if src == "estimate":
+            last = len(self.events) - 1
+            bearing = [e for i, e in enumerate(self.events) if e[1] or (i == last and (total or 0) > 0)]
+            if not bearing:
+                return [], None
+            n = len(bearing)
+            each = 1 if total is None else (total // n if total % n == 0 else round(total / n, 6))
+            return [[round(e[0], 3), each] for e in bearing], src
+        out, prev = [], 0
+        for ms, piece, cum, n_lp in self.events:
+            if src == "usage":
+                n, prev = cum - prev, cum
+            else:
+                n = n_lp or 0
+            if piece or n > 0:
+                out.append([round(ms, 3), n])
+        if not out:
             return [], None
-        counts, source = _counts(snaps, self.usage_mode, self.lp_mode, total)
-        return [[round(s[0], 3), c] for s, c in zip(snaps, counts)], source
+        counted = sum(c[1] for c in out)
+        if total is not None and total > counted:
+            out[-1][1] += total - counted
+        return out, src
 
 
 async def _http_error(resp: httpx.Response) -> str:
@@ -200,6 +219,8 @@ def _record_event(rec: RequestRecord, ev: dict) -> str | None:
     if "error" in ev and "choices" not in ev:
         err = ev["error"]
         return f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+    if rec.response_id is None and isinstance(ev.get("id"), str):
+        rec.response_id = ev["id"]
     if ev.get("specserve"):
         rec.specserve = ev["specserve"]
         rec.served_profile = rec.specserve.get("profile") or rec.served_profile
@@ -210,9 +231,10 @@ def _record_event(rec: RequestRecord, ev: dict) -> str | None:
 
 
 async def send_one(client: httpx.AsyncClient, base_url: str, sample: Sample, model: str, t_run0: float,
-                   profile: str | None = None, logprobs: bool = False, profile_header: bool = False) -> RequestRecord:
+                   profile: str | None = None, logprobs: bool = False, profile_header: bool = False,
+                   ignore_eos: bool = False) -> RequestRecord:
     """Send one streamed request and time it; never raises (errors go into the record)."""
-    path, body = request_body(sample, model, None if profile_header else profile, logprobs)
+    path, body = request_body(sample, model, None if profile_header else profile, logprobs, ignore_eos)
     headers = {"x-specserve-profile": profile} if (profile and profile_header) else {}
     rec = RequestRecord(sample.id, sample.segment, profile=profile, temperature=sample.temperature,
                         max_tokens=sample.max_tokens)
@@ -225,6 +247,7 @@ async def send_one(client: httpx.AsyncClient, base_url: str, sample: Sample, mod
             rec.served_profile = resp.headers.get("x-specserve-profile")
             if resp.status_code != 200:
                 rec.error = await _http_error(resp)
+                rec.response_id = resp.headers.get("x-request-id")
                 return rec
             async with aclosing(sse_events(resp, t0)) as events:
                 async for ms, ev in events:
@@ -233,10 +256,12 @@ async def send_one(client: httpx.AsyncClient, base_url: str, sample: Sample, mod
                         break
                     counter.add(ms, ev)
             rec.stream_end_ms = (time.perf_counter() - t0) * 1000
+            rec.response_id = rec.response_id or resp.headers.get("x-request-id")
     except (httpx.HTTPError, ValueError, OSError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
     rec.text, rec.finish_reason = counter.text, counter.finish_reason
     rec.chunks, rec.token_count_source = counter.chunks(rec.output_tokens)
+    rec.last_chunk_ms = None if counter.last_ms is None else round(counter.last_ms, 3)
     if not rec.chunks and not rec.error:
         rec.error = "empty response: no token-bearing chunk"
     if not rec.error and rec.finish_reason is None:

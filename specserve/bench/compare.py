@@ -6,12 +6,20 @@ candidate / baseline of each key metric, a headline `speedup` = baseline `tpot_m
 `tpot_ms_agg` (decode time per output token, so > 1 means the candidate generates faster), and
 `greedy_match` = [identical outputs, compared] over temperature-0 requests of the first repeat;
 `profile_rows` flattens that into one row per (segment, profile) for the demo's table.
+Every comparison carries `warnings` (sentences every output shows next to it) and `comparable`
+(False when a warning says its speed ratios are not like for like): different error rates (a
+candidate whose requests failed more often is never called faster without one), a profile no
+response confirmed (UNVERIFIED) or contradicted, acceptance from a server-wide /metrics delta, and,
+across two files, different workloads or request settings.
 What it does not do: judge significance (look at `spread` over `--repeats` for that).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from specserve.bench import metrics
+from specserve.bench.checks import SERVER_WIDE
 
 KEYS = ("output_tps", "request_tps", "ttft_ms_p50", "tpot_ms_p50", "tpot_ms_agg", "itl_token_ms_p50",
         "e2e_ms_p50", "e2e_ms_p99", "error_rate", "acceptance_rate", "mean_acceptance_length")
@@ -47,11 +55,56 @@ def greedy_match(rows: list[dict], base: str, cand: str, load: str) -> dict[str,
     return out
 
 
-def _compare_pair(bg: dict, cg: dict, rows: list[dict] | None, base_name=None, cand_name=None) -> dict:
+NOT_LIKE_FOR_LIKE = ("error_rate", "profile_unverified", "workload_differs")  # warning kinds that void a ratio
+SAME_WORKLOAD_KEYS = ("dataset", "num_prompts", "seed", "max_tokens", "max_prompt_chars", "output_len", "ignore_eos")
+
+
+def pair_warnings(bg: dict, cg: dict, base: str, cand: str) -> list[dict]:
+    """What makes candidate group `cg` vs baseline group `bg` not like for like: [{"kind", "message"}]."""
+    out = []
+    eb, ec = bg["overall"].get("error_rate") or 0.0, cg["overall"].get("error_rate") or 0.0
+    if ec > eb:
+        out.append({"kind": "error_rate", "message": f"{cand} has more failed requests than {base} ({ec:.1%} vs "
+                                                     f"{eb:.1%}): its speed is measured over fewer requests, so "
+                                                     "it is not called faster"})
+    elif eb > ec:
+        out.append({"kind": "error_rate", "message": f"{base} has more failed requests than {cand} ({eb:.1%} vs "
+                                                     f"{ec:.1%}): the speed ratios compare different sets of "
+                                                     "requests"})
+    unconfirmed = [f"{name} {g['profile_check'].upper()}" for name, g in ((base, bg), (cand, cg))
+                   if g.get("profile_check") in ("unverified", "mismatch")]
+    if unconfirmed:
+        out.append({"kind": "profile_unverified",
+                    "message": f"profile {', '.join(unconfirmed)} (the responses did not confirm the profile that "
+                               "served them): the two sides may be the same configuration"})
+    if any(g["overall"].get("acceptance_source") == "metrics_delta" and g["overall"].get("acceptance_rate") is not None
+           for g in (bg, cg)):
+        out.append({"kind": "acceptance_server_wide",
+                    "message": f"acceptance from the server's /metrics delta: {SERVER_WIDE}"})
+    return out
+
+
+def workload_warnings(a: dict, b: dict) -> list[dict]:
+    """Two summaries that did not send the same requests (model, dataset, seed, lengths...)."""
+    ca, cb = a.get("config") or {}, b.get("config") or {}
+    diff = [f"{k} ({ca.get(k)!r} vs {cb.get(k)!r})" for k in SAME_WORKLOAD_KEYS if ca.get(k) != cb.get(k)]
+    if a.get("model") != b.get("model"):
+        diff.insert(0, f"model ({a.get('model')!r} vs {b.get('model')!r})")
+    if not diff:
+        return []
+    return [{"kind": "workload_differs", "message": "the two runs differ in " + ", ".join(diff)
+             + ": they did not send the same requests, so their ratios are not like for like"}]
+
+
+def _compare_pair(bg: dict, cg: dict, rows: list[dict] | None, base_name=None, cand_name=None,
+                  extra_warnings=()) -> dict:
     segs = [s for s in bg["segments"] if s in cg["segments"]]
     gm = greedy_match(rows, bg["profile"], cg["profile"], bg["load"]) if rows else {}
-    out = {"baseline": base_name or bg["profile"], "candidate": cand_name or cg["profile"], "load": bg["load"],
-           "overall": compare_metrics(bg["overall"], cg["overall"]),
+    base, cand = base_name or bg["profile"], cand_name or cg["profile"]
+    warnings = pair_warnings(bg, cg, base, cand) + list(extra_warnings)
+    out = {"baseline": base, "candidate": cand, "load": bg["load"],
+           "comparable": not any(w["kind"] in NOT_LIKE_FOR_LIKE for w in warnings),
+           "warnings": warnings, "overall": compare_metrics(bg["overall"], cg["overall"]),
            "segments": {s: compare_metrics(bg["segments"][s], cg["segments"][s]) for s in segs}}
     out["overall"]["greedy_match"] = gm.get("_overall")
     for s in segs:
@@ -100,7 +153,8 @@ def compare_files(path_a: str, path_b: str) -> list[dict]:
         rows = [{**r, "profile": "A"} for r in ra if r.get("profile") == want] + \
                [{**r, "profile": "B"} for r in rb if r.get("profile") == cg["profile"]]
         comp = _compare_pair({**bg, "profile": "A"}, {**cg, "profile": "B"}, rows,
-                             f"{pa.parent.name or pa.name}:{want}", f"{pb.parent.name or pb.name}:{cg['profile']}")
+                             f"{pa.parent.name or pa.name}:{want}", f"{pb.parent.name or pb.name}:{cg['profile']}",
+                             workload_warnings(a, b))
         out.append(comp)
     return out
 
@@ -108,8 +162,8 @@ def compare_files(path_a: str, path_b: str) -> list[dict]:
 def _request_rate(rows: list[dict]) -> float | None:
     """Output tokens / summed request time (send to last token), over successful requests: the speed one
     request sees (equals throughput at concurrency 1, and is not diluted by other segments' requests)."""
-    ok = [r for r in rows if not r.get("error") and r.get("chunks")]
-    secs = sum(r["chunks"][-1][0] for r in ok) / 1000
+    ok = [r for r in rows if metrics.ok(r)]
+    secs = sum(metrics.e2e_ms(r) for r in ok) / 1000
     toks = sum(r.get("output_tokens") or 0 for r in ok)
     return toks / secs if secs > 0 else None
 
@@ -121,7 +175,8 @@ def _int(x):
 def profile_rows(summary: dict, rows: list[dict]) -> list[dict]:
     """One row per (load, segment incl. 'all', profile) of a run's summary and requests: TPOT, tokens/s
     (output tokens / summed request time, repeat 0) and their ratios to the baseline (the speedup and
-    greedy matches are those of `compare_groups`), acceptance. The demo's table."""
+    greedy matches are those of `compare_groups`; `comparable` False when its warnings void them),
+    acceptance (`acceptance_server_wide` when from a /metrics delta), the profile check. The demo's table."""
     groups = summary["groups"]
     base = groups[0]["profile"]
     comps = {(c["candidate"], c["load"]): c for c in summary.get("comparisons") or []}
@@ -147,6 +202,8 @@ def profile_rows(summary: dict, rows: list[dict]) -> list[dict]:
                     "tokens_per_s_ratio": None if g["profile"] == base else ratio(tps, base_rate),
                     "acceptance_rate": m.get("acceptance_rate"),
                     "mean_acceptance_length": m.get("mean_acceptance_length"),
-                    "greedy_match": cm.get("greedy_match"),
+                    "acceptance_server_wide": m.get("acceptance_source") == "metrics_delta",
+                    "greedy_match": cm.get("greedy_match"), "profile_check": g.get("profile_check"),
+                    "comparable": c["comparable"] if c else None,
                 })
     return out

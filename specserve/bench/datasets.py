@@ -5,8 +5,11 @@ Segments (docs/design.md sections 2 and 7): `chat` (ShareGPT first turns), `code
 HumanEval solutions, see `edits.py`), `summarize` (long ShareGPT answers to summarize),
 `creative` (ShareGPT story/poem/song requests, temperature 1.0). Dataset names are aliases:
 `sharegpt` = chat, `humaneval` = code, `bfcl` = tool_call, `all`/`mixed` = every segment; a path to
-a JSON-lines file of `{"prompt" | "messages", "segment", "max_tokens"}` adds its own samples.
+a JSON-lines file of `{"prompt" | "messages", "segment", "max_tokens", ...}` (keys in `JSONL_KEYS`)
+adds its own samples. `--max-tokens` caps every sample's max_tokens, the file's too.
 A seed gives the same samples on every machine (pinned wheels, string-seeded `random.Random`).
+Warm-up requests (`warmup_samples`) never share a request with the measured samples: they are other
+samples of the built-in segments, or short neutral prompts when the dataset is only a file.
 What it does not do: tokenize (lengths are estimated at ~4 characters per token) or send requests.
 """
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specserve.bench import edits, wheels
@@ -139,20 +142,50 @@ def build_segment(segment: str, n: int, seed: int, max_tokens: int, max_prompt_c
     raise ValueError(f"unknown segment {segment!r}; valid: {', '.join(SEGMENTS)} (or a .jsonl file)")
 
 
+JSONL_KEYS = ("id", "segment", "prompt", "messages", "max_tokens", "temperature", "tools", "extra_body")
+
+
+def _jsonl_sample(d, where: str, default_id: str, stem: str, max_tokens: int) -> Sample:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: each line must be a JSON object")
+    unknown = sorted(set(d) - set(JSONL_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(JSONL_KEYS)} "
+                         "(other request fields go in \"extra_body\")")
+    if ("prompt" in d) == ("messages" in d):
+        raise ValueError(f"{where}: give exactly one of 'prompt' and 'messages'")
+    mt = d.get("max_tokens")
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+        raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {mt!r}")
+    temp = d.get("temperature", 0.0)
+    if isinstance(temp, bool) or not isinstance(temp, (int, float)):
+        raise ValueError(f"{where}: temperature must be a number, got {temp!r}")
+    extra = d.get("extra_body") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where}: extra_body must be an object of request fields")
+    return Sample(str(d.get("id", default_id)), str(d.get("segment") or stem), min(mt or max_tokens, max_tokens),
+                  messages=d.get("messages"), prompt=d.get("prompt"), temperature=float(temp), tools=d.get("tools"),
+                  extra=dict(extra))
+
+
 def load_jsonl(path: str | Path, max_tokens: int) -> list[Sample]:
-    """Samples from a JSON-lines file; `segment` defaults to the file's stem, `max_tokens` to the cap."""
+    """Samples from a JSON-lines file (keys `JSONL_KEYS`; `extra_body` is merged into the request body).
+    `segment` defaults to the file's stem; each sample's max_tokens is the line's, capped at
+    `max_tokens` (the line's absent: `max_tokens`).
+
+    Raises:
+        ValueError: naming the file and line, for invalid JSON, an unknown key or a bad value.
+    """
     path = Path(path)
     out = []
     for ln, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        d = json.loads(line)
-        if ("prompt" in d) == ("messages" in d):
-            raise ValueError(f"{path}:{ln}: give exactly one of 'prompt' and 'messages'")
-        out.append(Sample(str(d.get("id", f"{path.stem}:{ln}")), str(d.get("segment") or path.stem),
-                          int(d.get("max_tokens") or max_tokens), messages=d.get("messages"),
-                          prompt=d.get("prompt"), temperature=float(d.get("temperature", 0.0)),
-                          tools=d.get("tools")))
+        try:
+            d = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{ln}: not valid JSON ({e})") from None
+        out.append(_jsonl_sample(d, f"{path}:{ln}", f"{path.stem}:{ln}", path.stem, max_tokens))
     return out
 
 
@@ -198,3 +231,55 @@ def load_samples(spec: str, num_prompts: int, seed: int = 0, max_tokens: int = 2
                             "num_samples": sum(s.segment == seg for s in extra)})
     random.Random(f"specserve-bench:{seed}:order").shuffle(samples)
     return samples, sources
+
+
+WARMUP_SEED_OFFSET = 1_000_003  # warm-up samples are drawn with seed + this
+NEUTRAL_PROMPTS = ("Say hello in one short sentence.", "Name three colors.", "What is two plus two?",
+                   "Give one word that rhymes with cat.")
+
+
+def request_key(s: Sample) -> str:
+    """What the server sees of a sample's request content (messages or prompt, and tools), as a string."""
+    return json.dumps([s.messages, s.prompt, s.tools], sort_keys=True)
+
+
+def warmup_samples(spec: str, n: int, seed: int, max_tokens: int, max_prompt_chars: int,
+                   measured: list[Sample]) -> tuple[list[Sample], str]:
+    """(n warm-up samples, where they come from); none of them repeats a measured request.
+
+    Warm-up must not send the measured prompts: a server with a prefix cache or a suffix tree would
+    then be primed with the exact answers. Built-in segments give other samples (drawn with seed +
+    `WARMUP_SEED_OFFSET`, round-robin over the segments, skipping any request equal to a measured one);
+    a dataset that is only files (all of whose lines are measured), or pools too small, give short
+    neutral prompts in the endpoint shapes the measured samples use.
+    """
+    if n <= 0:
+        return [], "none"
+    taken = {request_key(s) for s in measured}
+    builtin = [x for x in parse_dataset_arg(spec) if x in SEGMENTS]
+    pools = [iter(build_segment(seg, n + sum(s.segment == seg for s in measured), seed + WARMUP_SEED_OFFSET,
+                                max_tokens, max_prompt_chars)) for seg in builtin]
+    out: list[Sample] = []
+    while len(out) < n and pools:
+        for it in list(pools):
+            s = next(it, None)
+            if s is None:
+                pools.remove(it)
+            elif request_key(s) not in taken and len(out) < n:
+                taken.add(request_key(s))
+                out.append(replace(s, id="warmup:" + s.id))
+    sources = [f"other samples of {', '.join(builtin)}"] if out else []
+    chat = not measured or any(s.messages is not None for s in measured)
+    kinds = ["chat"] * chat + ["completion"] * any(s.prompt is not None for s in measured)
+    i = 0
+    while len(out) < n:
+        text = f"{NEUTRAL_PROMPTS[i % len(NEUTRAL_PROMPTS)]} (warm-up request {i + 1})"
+        kind = kinds[i % len(kinds)]
+        s = Sample(f"warmup:neutral:{i}", "warmup", min(max_tokens, 32),
+                   messages=_user(text) if kind == "chat" else None, prompt=text if kind == "completion" else None)
+        i += 1
+        if request_key(s) not in taken:
+            out.append(s)
+    if any(s.segment == "warmup" for s in out):
+        sources.append("short neutral prompts")
+    return out, "; ".join(sources)

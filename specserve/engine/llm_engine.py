@@ -18,14 +18,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from jinja2 import TemplateError
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.step_plan import ScheduledRequest, StepPlan
 from specserve.engine.stop import commit_tokens, visible_text_len
-from specserve.inputs import ChatPrompt, InvalidRequestError, Prompt, TextPrompt, as_prompt
+from specserve.inputs import ChatPrompt, Prompt
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.request import Request, RequestStatus
 from specserve.sample.batch import SamplingBatch
@@ -33,6 +32,7 @@ from specserve.sample.verifier import VerifyResult, to_host, verify
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode import make_proposer, proposer_key
 from specserve.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext
+from specserve.tokenization import PromptEncoder, RequestError  # noqa: F401 - RequestError is public here
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,6 @@ class _UseEngineDefault:
 
 USE_ENGINE_DEFAULT: Any = _UseEngineDefault()
 """Pass as `speculative_config` to use the engine's default speculative config (None means "no speculation")."""
-
-
-class RequestError(InvalidRequestError):
-    """A request the engine cannot take (empty or too long prompt, duplicate id, bad token ids, a chat
-    the template refuses). `param` names the request field ("prompt" or "messages"); `code` is
-    "context_length_exceeded" for a prompt that leaves no room for an output token."""
 
 
 class LLMEngine:
@@ -100,6 +94,9 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             num_target_params=sum(p.numel() for p in self.target.model.parameters()),
         )
+        self.prompt_encoder = PromptEncoder(self.tokenizer, vocab_size=self.target.config.vocab_size,
+                                            max_model_len=self.max_model_len, model_name=self.model_name,
+                                            size_check=False)
         self._seed_stream = random.Random(config.seed)
         self.spec_stats: dict[str, SpecStats] = {}  # by method, over finished and running requests
         if config.speculative_config is not None:
@@ -117,32 +114,15 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int] | Prompt) -> list[int]:
-        """The checked token ids of a prompt: text through `encode_prompt`, chat messages through
-        `encode_chat`, token ids as given.
+        """The checked token ids of a prompt (`specserve.tokenization.PromptEncoder.encode`: text through
+        the tokenizer, chat messages through the chat template, token ids as given).
 
         Raises:
             RequestError: an empty prompt, token ids outside the vocabulary, a prompt that leaves no room
                 for one output token within max_model_len (code "context_length_exceeded"), or a chat the
                 template cannot render; `param` is "messages" for a ChatPrompt, else "prompt".
         """
-        p = as_prompt(prompt)
-        if isinstance(p, TextPrompt):
-            ids, param = self.encode_prompt(p.text), "prompt"
-        elif isinstance(p, ChatPrompt):
-            ids, param = self.encode_chat(list(p.messages), list(p.tools) if p.tools is not None else None), "messages"
-        else:
-            ids, param = list(p.token_ids), "prompt"
-        if not ids:
-            raise RequestError("the prompt is empty", param=param)
-        vocab = self.target.config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param=param)
-        if len(ids) + 1 > self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
-                "(prompt + at least 1 output token)", param=param, code="context_length_exceeded",
-            )
-        return ids
+        return self.prompt_encoder.encode(prompt)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a raw completion prompt (the tokenizer adds BOS where the model expects one)."""
@@ -152,17 +132,9 @@ class LLMEngine:
         """Apply the model's chat template with a generation prompt, then tokenize.
 
         Raises:
-            RequestError: the tokenizer has no chat template, or the template refuses the messages
-                (param "messages").
+            RequestError: no chat template, the template refuses the messages, or the result is too long.
         """
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError(f"model {self.model_name} has no chat template; use a completion prompt",
-                               param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        except TemplateError as e:  # e.g. the template's raise_exception("roles must alternate ...")
-            raise RequestError(f"the chat template cannot render these messages: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.prompt_encoder.encode(ChatPrompt(tuple(messages), tuple(tools) if tools is not None else None))
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> Proposer:
         """Create (once) the proposer for `spec_config`; profiles differing only in k share it.

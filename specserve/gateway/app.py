@@ -227,7 +227,8 @@ class FrontDoor:
             response = error_response(413, str(e), code="request_too_large")
         except Exception as e:  # noqa: BLE001 - never a bare 500 without a body
             logger.exception("gateway: unhandled error: %s", e)
-            response = error_response(500, f"internal error: {type(e).__name__}: {e}")
+            response = error_response(500, "internal gateway error; the gateway log has the details",
+                                      code="internal_error")  # nothing internal in the body
         await response(scope, receive, send)
 
 

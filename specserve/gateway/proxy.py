@@ -34,9 +34,11 @@ from starlette.responses import Response
 from specserve.gateway.backends import Backend
 from specserve.gateway.exchange import Exchange, record_exchange
 from specserve.gateway.streaming import DisconnectGuard, RelayStream, SSERelay
+from specserve.inputs import InvalidRequestError
 from specserve.rollout.policy import ProfileForbidden, UnknownProfile
 from specserve.rollout.shadow import outputs_from_body, outputs_from_events
 from specserve.server.errors import APIError, error_body
+from specserve.server.parsing import parse_json_body
 
 PROFILE_HEADER = "x-specserve-profile"
 BACKEND_HEADER = "x-specserve-backend"
@@ -83,11 +85,9 @@ class Proxy:
         except ClientDisconnect:
             raise APIError(499, "client disconnected while sending the request") from None
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
+            body = parse_json_body(raw)  # the server's limits: depth, NaN, UTF-8, an object
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), code=e.code) from None
         requested = body.get("profile") or request.headers.get(PROFILE_HEADER)
         if requested is not None and not isinstance(requested, str):
             raise APIError(400, "profile must be a string", param="profile")
@@ -306,7 +306,7 @@ class Proxy:
                 ex.spec = data.get("specserve") if isinstance(data.get("specserve"), dict) else None
                 if ex.capture:
                     gw.shadow.submit(ex.path, ex.body, ex.profile, outputs_from_body(data, ex.chat), ex.rid)
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 pass
         record_exchange(gw, ex, "ok" if code == 200 else "error", code,
                         None if code == 200 else content[:300].decode("utf-8", "replace"))

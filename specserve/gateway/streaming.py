@@ -66,7 +66,7 @@ class SSERelay:
             return True  # a middle event: nothing to learn from it, pass it on unparsed
         try:
             ev = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return True
         if not isinstance(ev, dict):
             return True

@@ -52,6 +52,13 @@ class ServerMetrics:
         self.waiting = Gauge("specserve:num_requests_waiting", "Requests waiting for an engine slot", registry=r)
         self.kv_usage = Gauge("specserve:kv_cache_usage_perc", "KV cache usage, 0..1", registry=r)
         self.in_flight = Gauge("specserve:num_requests_in_flight", "Engine requests held by the server", registry=r)
+        self.step_age = Gauge("specserve:engine_last_step_age_seconds",
+                              "Seconds since the engine last finished a step while work is pending (0 when idle)",
+                              registry=r)
+        self.healthy = Gauge("specserve:engine_healthy", "1 while the engine runs and its watchdog is quiet, else 0",
+                             registry=r)
+        self.draining = Gauge("specserve:server_draining", "1 while the server drains before shutting down",
+                              registry=r)
         self.num_drafts = Counter("specserve:spec_decode_num_drafts", "Verify steps that carried drafts",
                                   ["profile"], registry=r)
         self.num_draft_tokens = Counter("specserve:spec_decode_num_draft_tokens", "Draft tokens proposed",
@@ -104,6 +111,12 @@ class ServerMetrics:
             self.num_accepted_tokens.labels(profile=profile).inc(spec_stats.num_accepted_tokens)
             for pos, c in enumerate(spec_stats.num_accepted_tokens_per_pos):
                 self.num_accepted_per_pos.labels(profile=profile, position=str(pos)).inc(c)
+
+    def set_health(self, step_age_s: float, healthy: bool, draining: bool) -> None:
+        """The watchdog's gauges (see `specserve.server.api`, /health)."""
+        self.step_age.set(step_age_s)
+        self.healthy.set(1 if healthy else 0)
+        self.draining.set(1 if draining else 0)
 
     def set_engine_stats(self, stats: dict | None, in_flight: int) -> None:
         if stats:

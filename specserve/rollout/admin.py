@@ -4,8 +4,8 @@ Endpoints (all need `Authorization: Bearer <token>`; a missing or wrong token is
 server was started without --admin-token / SPECSERVE_ADMIN_TOKEN the admin API is off: 403):
 - GET  /admin/profiles   profiles, weights, fractions, whether reverted to baseline, version.
 - PUT  /admin/weights    body {"weights": {name: number}}: replaces all weights (missing names get 0),
-                         ends a revert to baseline. 400 for unknown names, negative numbers or an all-zero
-                         set; 409 while a staged rollout is running or paused (it owns the weights).
+                         ends a revert to baseline. 400 for unknown names or fields, a weight that is not a
+                         number in [0, 1e9], or an all-zero set; 409 while a staged rollout is running or paused (it owns the weights).
 - POST /admin/rollback   revert to baseline: all new traffic (explicit overrides too) to `baseline`;
                          ends a staged rollout as "reverted".
 - GET  /admin/rollout    the staged rollout: plan, state, step, weights, last gate figures, history.
@@ -14,6 +14,7 @@ server was started without --admin-token / SPECSERVE_ADMIN_TOKEN the admin API i
 - POST /admin/rollout/{pause,resume,promote,rollback}   by hand; 409 when no rollout is active
                          (rollback then reverts the traffic to baseline all the same).
 Changes apply to the next request; running requests keep the profile they started with.
+Every body is parsed as strictly as a generation request (`specserve.server.parsing.parse_json_body`).
 The same router serves `specserve serve` and `specserve gateway`.
 What it does not do: authentication beyond one shared token, audit storage (changes are logged and
 kept in the rollout history).
@@ -22,25 +23,27 @@ kept in the rollout history).
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 
 from fastapi import APIRouter, Request
 
 from specserve.config import ConfigError
+from specserve.inputs import InvalidRequestError
 from specserve.rollout.controller import RolloutConflict, RolloutController
 from specserve.rollout.plan import plan_from_dict
 from specserve.rollout.policy import RolloutPolicy
 from specserve.server.errors import APIError
+from specserve.server.parsing import parse_json_body
 
 logger = logging.getLogger("specserve.admin")
 
 
 async def _json_body(request: Request):
+    """The body as a JSON object, parsed as strictly as a generation request (depth, NaN, UTF-8); 400 else."""
     try:
-        return json.loads(await request.body() or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON: {e}") from None
+        return parse_json_body(await request.body(), what="admin request body")
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), code=e.code) from None
 
 
 def _conflict(e: RolloutConflict) -> APIError:
@@ -83,6 +86,10 @@ def admin_router(policy: RolloutPolicy, token: str | None, controller: RolloutCo
         body = await _json_body(request)
         if not isinstance(body, dict) or "weights" not in body:
             raise APIError(400, 'body must be {"weights": {profile: number}}', param="weights")
+        unknown = sorted(set(body) - {"weights"})
+        if unknown:
+            raise APIError(400, f"unknown field(s) {[k[:64] for k in unknown[:5]]}; the body is "
+                           '{"weights": {profile: number}}', param=unknown[0][:64])
         try:
             state = controller.set_weights(body["weights"]) if controller else policy.set_weights(body["weights"])
         except ConfigError as e:

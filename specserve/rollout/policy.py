@@ -101,7 +101,8 @@ class RolloutPolicy:
                         "(start it with --allow-profile-override)"
                     )
                 if requested not in self.profiles:
-                    raise UnknownProfile(f"unknown profile {requested!r}; profiles: {list(self.profiles)}")
+                    shown = requested if len(requested) <= 64 else requested[:61] + "..."
+                    raise UnknownProfile(f"unknown profile {shown!r}; profiles: {list(self.profiles)}")
             if self._reverted:
                 return Choice(self.profiles[self._revert_target], "rollback", self._step)
             if requested is not None:

@@ -51,6 +51,7 @@ class Profile:
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "config": self.spec_config.to_dict() if self.spec_config else None,
+            "effective_config": self.spec_config.effective() if self.spec_config else None,
         }
 
 
@@ -75,18 +76,27 @@ class ProfileSet:
         return seen
 
 
+MAX_WEIGHT = 1e9
+
+
+def _shown(x: Any, limit: int = 64) -> str:
+    s = repr(x) if not isinstance(x, int) or abs(x) < 10**30 else f"<{len(str(abs(x)))}-digit integer>"
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
 def check_weights(weights: dict[str, Any], profiles: dict[str, Profile]) -> dict[str, float]:
-    """Validate a weights mapping: known names, finite numbers >= 0, positive sum. Returns floats."""
+    """Validate a weights mapping: known names, numbers in [0, 1e9] (so their sum is finite and every
+    share is representable), a positive sum. Returns floats. Raises ConfigError (names cut to 64 chars)."""
     if not isinstance(weights, dict):
         raise ConfigError("weights must be an object of profile name -> number")
     out: dict[str, float] = {}
     for name, w in weights.items():
         if name not in profiles:
-            raise ConfigError(f"weights name unknown profile {name!r}; profiles: {list(profiles)}")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 <= float(w) < float("inf")):
-            raise ConfigError(f"weight of {name!r} must be a finite number >= 0, got {w!r}")
+            raise ConfigError(f"weights name unknown profile {_shown(name)}; profiles: {list(profiles)}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WEIGHT:
+            raise ConfigError(f"weight of {name!r} must be a number in [0, {MAX_WEIGHT:g}], got {_shown(w)}")
         out[name] = float(w)
-    if sum(out.values()) <= 0:
+    if not sum(out.values()) > 0:
         raise ConfigError("weights must not all be zero")
     return out
 

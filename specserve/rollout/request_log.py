@@ -8,6 +8,8 @@ mean_acceptance_length, finish_reason (one per choice, joined by ","), status ("
 "cancelled"), http_status, error (message, for errors). With `log_prompts`, also `prompt` and `output`
 (text, or token ids for a token-id prompt); without it no prompt or output text is written.
 `subscribe(fn)` also hands every record to `fn` (the rollout window), with or without a log file.
+Every string field is cut to `MAX_FIELD_CHARS` characters (a client's header or body cannot grow a
+line); a missing value is written as null.
 What it does not do: rotation or shipping (point a log collector at the file); metrics (see
 `specserve.metrics.prometheus`).
 """
@@ -30,6 +32,13 @@ FIELDS = (
     "finish_reason", "status", "http_status", "error",
 )
 TEXT_FIELDS = ("prompt", "output")
+MAX_FIELD_CHARS = 512
+
+
+def _cut(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+        return value[: MAX_FIELD_CHARS - 3] + "..."
+    return value
 
 
 class RequestLog:
@@ -64,7 +73,7 @@ class RequestLog:
                 logger.exception("request log subscriber failed")
         if self._fh is None:
             return
-        line = {k: record.get(k) for k in self.fields}
+        line = {k: _cut(record.get(k)) for k in self.fields}
         if self.log_prompts:
             for k in TEXT_FIELDS:
                 line[k] = record.get(k)

@@ -1,8 +1,9 @@
 """The one interface between the HTTP server and the engine: `EngineClient`, and what travels over it.
 
-What it does: names everything the server needs from an engine (submit a request's choices, abort
-them, live gauges, health, the model's name / context length / checksum / tokenizer, preparing the
-profiles' proposers) as a Protocol, and types what comes back: `submit()` returns an `EngineRequest`
+What it does: names everything the server needs from an engine (tokenize a prompt off the engine
+thread, submit a request's choices, abort them, live gauges, health and the watchdog's step age, the
+model's name / context length / vocabulary / checksum / tokenizer, preparing the profiles' proposers)
+as a Protocol, and types what comes back: `submit()` returns an `EngineRequest`
 whose queue yields one `QueueItem` at a time, `Output` (a step's `RequestOutput` delta for one
 choice), then a final `Output`, `Aborted` or `Failed` per choice. The server imports nothing else from
 the engine side. `AsyncEngine` (async_engine.py) implements it over an `LLMEngine`.
@@ -74,6 +75,8 @@ class EngineClient(Protocol):
     Attributes:
         model_name, model_checksum: what /v1/models and the request log report.
         max_model_len: context length (prompt + output tokens).
+        vocab_size: token ids must be below it.
+        max_prompt_tokens: the per-request prompt limit (tokens, at most max_model_len - 1).
         max_num_seqs: most requests running at once (the server's queue limit counts from it).
         tokenizer: decodes single token ids for logprobs (`decode([id], skip_special_tokens=False)`).
         in_flight: engine requests submitted and not finished yet (read on the event-loop thread).
@@ -84,6 +87,8 @@ class EngineClient(Protocol):
     model_name: str
     model_checksum: str | None
     max_model_len: int
+    vocab_size: int
+    max_prompt_tokens: int
     max_num_seqs: int
     tokenizer: Any
     in_flight: int
@@ -93,6 +98,17 @@ class EngineClient(Protocol):
 
     @property
     def dead(self) -> BaseException | None: ...
+
+    def last_step_age_s(self) -> float:
+        """Seconds since the engine last finished a step while work is pending; 0 when idle (watchdog)."""
+
+    async def encode(self, prompt: Prompt) -> list[int]:
+        """Tokenize `prompt` (chat template applied) off the engine thread, after a size check that needs
+        no tokenization.
+
+        Raises:
+            InvalidRequestError: empty, over the per-request limit, bad token ids, a chat the template refuses.
+        """
 
     def prepare_speculative_config(self, spec_config: SpeculativeConfig) -> None:
         """Build a profile's proposer now (draft models load once); call before `start`."""
@@ -104,8 +120,10 @@ class EngineClient(Protocol):
         """Stop; requests in flight get `Failed(EngineDeadError)`."""
 
     async def submit(self, request_id: str, prompt: Prompt, params: Sequence[SamplingParams],
-                     spec_config: SpeculativeConfig | None, arrival_time: float | None = None) -> EngineRequest:
-        """Tokenize `prompt` once and add one engine request per SamplingParams (the choices).
+                     spec_config: SpeculativeConfig | None, arrival_time: float | None = None, *,
+                     queue: asyncio.Queue | None = None, first_index: int = 0) -> EngineRequest:
+        """Add one engine request per SamplingParams (the choices) for `prompt` (the server passes token
+        ids from `encode`). Items go to `queue` (default: a new one) with index `first_index + i`.
 
         Raises:
             InvalidRequestError: the engine refuses the prompt (too long, empty, bad token ids, chat).

@@ -5,6 +5,10 @@ What it does: turns engine results into exactly the JSON OpenAI clients parse:
   "text_offset"};
 - chat: `chat.completion` / `chat.completion.chunk`; logprobs as {"content": [{"token", "logprob",
   "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null};
+- streams with `stream_options.include_usage` end with a usage chunk (`choices: []`); with
+  `continuous_usage_stats` too (vLLM's key) every chunk also carries `usage`, whose
+  `completion_tokens` counts that chunk's choice's tokens so far (as vLLM does), so a client can count
+  the tokens of each chunk exactly;
 - every body (and, when streaming, the chunk carrying a finish_reason and the usage chunk) gets
   `"specserve": {"profile", "method", "num_speculative_tokens", "num_drafts", "num_draft_tokens",
   "num_accepted_tokens", "num_accepted_tokens_per_pos", "acceptance_rate", "mean_acceptance_length"}`,
@@ -117,22 +121,28 @@ def chat_body(rid: str, created: int, model: str, choices: list[dict], use: dict
             "choices": choices, "usage": use, "specserve": spec_block}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: Any = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": []},
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: Any = None, tool_calls: list[dict] | None = None) -> dict:
+    """A chat choice; `text` None (the output was only tool calls) is content null, as OpenAI sends it."""
+    return {"index": index, "message": {"role": "assistant", "content": text, "tool_calls": tool_calls or []},
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chunk(chat: bool, rid: str, created: int, model: str, index: int, *, text: str | None = None,
           role: str | None = None, logprobs: dict | None = None, finish_reason: str | None = None,
-          include_usage: bool = False, spec_block: dict | None = None) -> dict:
-    """One streamed chunk for one choice (chat: a `delta`; completions: `text`)."""
+          include_usage: bool = False, chunk_usage: dict | None = None, spec_block: dict | None = None,
+          tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk for one choice (chat: a `delta`, with `tool_calls` deltas when given;
+    completions: `text`). With `include_usage` the chunk has a `usage` key: `chunk_usage` (continuous
+    usage stats) or null."""
     if chat:
         delta: dict[str, Any] = {}
         if role is not None:
             delta["role"] = role
-        if text is not None:
+        if text is not None and (text or not tool_calls):
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
@@ -140,7 +150,7 @@ def chunk(chat: bool, rid: str, created: int, model: str, index: int, *, text: s
         obj = "text_completion"
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
     if include_usage:
-        out["usage"] = None
+        out["usage"] = chunk_usage
     if spec_block is not None:
         out["specserve"] = spec_block
     return out

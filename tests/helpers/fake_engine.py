@@ -9,12 +9,16 @@ speculation and a seed reproduces sampled output. `toy_logits` puts +5 on `greed
 on every lowercase letter, digit and space (so sampling at temperature 1 varies); `greedy_next` spells
 "abcdefghi" and then a digit counting the periods, so n-gram and suffix drafts are mostly accepted and
 a stop string with a digit first occurs late. `fake_engine()` / `fake_client()` build the engine / the
-server's EngineClient. `ToyLM.step_delay_s` slows every step (disconnect and queueing tests).
+server's EngineClient. `ToyLM.step_delay_s` slows every step (disconnect and queueing tests); clearing `ToyLM.gate` hangs every
+forward until it is set (watchdog tests). `scripted_logits(answer)` makes the greedy answer to a chat a
+given text (tool-call tests).
 What it does not do: anything a real model does. Never use it to serve.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,8 +53,11 @@ class ByteTokenizer:
         return out if skip_special_tokens else out + "<eos>" * sum(1 for i in ids if i == EOS)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, tokenize: bool = False) -> str:
-        return "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>"
+                            add_generation_prompt: bool = True, tokenize: bool = False, **_: Any) -> str:
+        head = f"<tools>{json.dumps(tools)}\n" if tools else ""
+        lines = "".join(f"<{m['role']}>{m.get('content') or ''}{json.dumps(m['tool_calls']) if m.get('tool_calls') else ''}"
+                        f"\n" for m in messages)
+        return head + lines + ("<assistant>" if add_generation_prompt else "")
 
 
 def greedy_next(context: Sequence[int]) -> int:
@@ -68,6 +75,24 @@ def toy_logits(context: Sequence[int]) -> torch.Tensor:
     return row
 
 
+def scripted_logits(answer: str, marker: bytes = b"<assistant>") -> Callable[[Sequence[int]], torch.Tensor]:
+    """A logits function whose greedy output after the last `marker` in the context is `answer` (as
+    UTF-8 bytes) and then EOS; before any marker, `toy_logits`."""
+    script = list(answer.encode("utf-8")) + [EOS]
+
+    def logits(context: Sequence[int]) -> torch.Tensor:
+        ctx = bytes(t for t in context if t < 256)
+        at = ctx.rfind(marker)
+        if at < 0:
+            return toy_logits(context)
+        done = len(ctx) - at - len(marker)
+        row = torch.full((VOCAB_SIZE,), -1e4)
+        row[script[min(done, len(script) - 1)]] = 5.0
+        return row
+
+    return logits
+
+
 class ToyLM(torch.nn.Module):
     """`CausalLM.forward`'s signature with no weights: each slot's token history stands in for its KV
     entries (written at the step's positions, so rolled-back drafts are overwritten as in the cache).
@@ -82,8 +107,11 @@ class ToyLM(torch.nn.Module):
         self.logits_fn = logits_fn
         self.step_delay_s = step_delay_s
         self.history: dict[int, list[int]] = {}
+        self.gate = threading.Event()  # cleared: every forward waits until it is set again (a hung device)
+        self.gate.set()
 
     def forward(self, input_ids, meta, kv, logits_rows):
+        self.gate.wait()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         slots, positions = meta.slots.tolist(), meta.positions.tolist()

@@ -56,10 +56,16 @@ def test_with_specserve_field_acceptance_equals_server():
         summary, rows = _run(url, samples, concurrency=[1, 3], profiles=["baseline", "ngram_4"], logprobs=True)
     _check_consistency(summary, rows)
     assert len(rows) == 2 * 2 * 10 and {r["served_profile"] for r in rows} == {"baseline", "ngram_4"}
+    assert summary["problems"] == [] and summary["warnings"] == [] and summary["failed"] == 0
+    assert [g["profile_check"] for g in summary["groups"]] == ["verified"] * 4
+    ids = [r["response_id"] for r in rows]
+    assert len(set(ids)) == len(ids) and all(i.startswith("mock-") for i in ids)  # warm-up took mock-1, mock-2
     for r in rows:  # exact per-chunk token counts from logprobs, equal to what the server sent
         chunks, acc = _expected(next(s for s in samples if s.id == r["sample_id"]), r["profile"])
         assert r["token_count_source"] == "logprobs" and [c[1] for c in r["chunks"]] == chunks
         assert r["specserve"]["num_accepted_tokens"] == sum(acc) and r["specserve"]["num_drafts"] == len(acc)
+        assert r["text"] == "".join(f" w{i}" for i in range(sum(chunks)))  # the generated text, for equality checks
+        assert r["last_chunk_ms"] == r["chunks"][-1][0]  # no EOS chunk: the last chunk carries text
     for run in summary["runs"]:
         m = run["overall"]
         if run["profile"] == "baseline":
@@ -82,12 +88,19 @@ def test_with_specserve_field_acceptance_equals_server():
 
 
 def test_without_specserve_field_acceptance_from_metrics_deltas():
+    """A vLLM-like server: no specserve block, no profile header. Acceptance comes from /metrics deltas,
+    labelled server-wide; the profile is UNVERIFIED, which the run refuses unless allowed."""
     samples = _samples(6, prompt=True)  # /v1/completions path
     with mockserver.MockServer(specserve=False, continuous_usage=True) as url:
-        summary, rows = _run(url, samples, request_rate=[50.0], profiles=["ngram_4"])
+        with pytest.raises(runner.WarmupError, match="no response named the profile"):
+            _run(url, samples, request_rate=[50.0], profiles=["ngram_4"])
+        summary, rows = _run(url, samples, request_rate=[50.0], profiles=["ngram_4"], allow_unverified_profile=True)
     _check_consistency(summary, rows)
     assert all(r["specserve"] is None and r["served_profile"] is None for r in rows)
     assert all(r["token_count_source"] == "usage" for r in rows)
+    assert summary["problems"] == [] and summary["groups"][0]["profile_check"] == "unverified"
+    assert [w["kind"] for w in summary["warnings"]] == ["profile_unverified", "acceptance_server_wide"]
+    assert "server-wide, includes other traffic" in summary["warnings"][1]["message"]
     for r in rows:
         assert [c[1] for c in r["chunks"]] == _expected(next(s for s in samples if s.id == r["sample_id"]), "x")[0]
     m = summary["runs"][0]["overall"]
@@ -100,9 +113,14 @@ def test_without_specserve_field_acceptance_from_metrics_deltas():
 def test_errors_are_recorded_not_raised():
     with mockserver.MockServer() as url:
         summary, rows = _run(url, _samples(4, bad=True), concurrency=[2])
+        allowed, _ = _run(url, _samples(4, bad=True), concurrency=[2], allow_errors=True)
     bad = [r for r in rows if r["error"]]
     assert len(bad) == 1 and bad[0]["error"].startswith("HTTP 500: injected failure") and bad[0]["chunks"] == []
     assert summary["runs"][0]["overall"]["error_rate"] == 0.25
+    assert (summary["failed"], summary["failed_rate"], summary["num_requests"]) == (1, 0.25, 4)
+    assert [p["kind"] for p in summary["problems"]] == ["failed"]
+    assert summary["problems"][0]["message"].startswith("FAILED: 1 of 4 measured requests failed (25.0%)")
+    assert allowed["problems"] == [] and [w["kind"] for w in allowed["warnings"]] == ["failed", "itl_estimate"]
     _check_consistency(summary, rows)
 
 

@@ -80,6 +80,53 @@ def test_jsonl_file(tmp_path):
         datasets.load_jsonl(bad, 10)
 
 
+def test_jsonl_max_tokens_is_capped_and_every_key_is_used_or_refused(tmp_path):
+    """--max-tokens is a cap for file lines too; a key the loader does not know is an error naming it
+    (it used to be dropped silently); request fields go through `extra_body`."""
+    p = tmp_path / "w.jsonl"
+    p.write_text('{"prompt": "a", "max_tokens": 500, "extra_body": {"stop": ["\\n"], "top_p": 0.5}}\n'
+                 '{"prompt": "b", "max_tokens": 7}\n')
+    long, short = datasets.load_jsonl(p, 64)
+    assert (long.max_tokens, short.max_tokens) == (64, 7)
+    assert long.extra == {"stop": ["\n"], "top_p": 0.5} and short.extra == {}
+    from specserve.bench.client import request_body
+    assert request_body(long, "m", None, False)[1]["top_p"] == 0.5
+    for line, match in (('{"prompt": "a", "top_p": 0.5}', r"w.jsonl:1: unknown key\(s\) top_p; valid: id, segment"),
+                        ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be an integer >= 1"),
+                        ('{"prompt": "a", "max_tokens": true}', "max_tokens must be an integer >= 1"),
+                        ('{"prompt": "a", "temperature": "hot"}', "temperature must be a number"),
+                        ('{"prompt": "a"', r"w.jsonl:1: not valid JSON"), ('[1]', "must be a JSON object")):
+        p.write_text(line + "\n")
+        with pytest.raises(ValueError, match=match):
+            datasets.load_jsonl(p, 64)
+
+
+def test_warmup_never_repeats_a_measured_request():
+    """150 of HumanEval's 164 problems are measured: warm-up may take only the 14 others (drawing
+    with another seed, as before, would have repeated about 9 of every 10), then neutral prompts."""
+    measured, _ = datasets.load_samples("code", 150, seed=3, max_tokens=64)
+    warm, source = datasets.warmup_samples("code", 20, 3, 64, 3000, measured)
+    keys = {datasets.request_key(s) for s in measured}
+    assert len(warm) == 20 and not any(datasets.request_key(w) in keys for w in warm)
+    assert len({datasets.request_key(w) for w in warm}) == 20
+    assert sum(w.segment == "code" for w in warm) == 14 and sum(w.segment == "warmup" for w in warm) == 6
+    assert source == "other samples of code; short neutral prompts" and all(w.id.startswith("warmup:") for w in warm)
+    mixed, _ = datasets.load_samples("chat,code,edit", 12, seed=0, max_tokens=64)
+    warm, source = datasets.warmup_samples("chat,code,edit", 3, 0, 64, 3000, mixed)
+    assert [w.segment for w in warm] == ["chat", "code", "edit"] and source == "other samples of chat, code, edit"
+
+
+def test_warmup_for_a_file_dataset_sends_neither_its_lines_nor_all_of_them(tmp_path):
+    p = tmp_path / "w.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(50)))
+    measured, _ = datasets.load_samples(str(p), 1, seed=0, max_tokens=64)
+    warm, source = datasets.warmup_samples(str(p), 2, 0, 64, 3000, measured)
+    assert len(warm) == 2 and source == "short neutral prompts"
+    assert all(w.prompt and w.messages is None for w in warm)  # the endpoint the file's lines use
+    assert not {datasets.request_key(w) for w in warm} & {datasets.request_key(s) for s in measured}
+    assert datasets.warmup_samples(str(p), 0, 0, 64, 3000, measured) == ([], "none")
+
+
 def test_every_humaneval_problem_gives_valid_edits():
     for p in wheels.humaneval_problems():
         for kind in edits.EDIT_KINDS:

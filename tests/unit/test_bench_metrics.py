@@ -120,21 +120,13 @@ def test_prometheus_delta_acceptance_and_memory():
     assert prom.metrics_url("http://h:8000/v1/") == "http://h:8000/metrics"
 
 
-def test_client_token_counts_per_chunk():
-    snaps = [(10, 1, 0), (20, 4, 0), (30, 5, 0)]  # cumulative usage at each token-bearing chunk
-    assert client._counts(snaps, True, False, 6) == ([1, 3, 2], "usage")  # unaccounted token goes last
-    assert client._counts([(10, 0, 2), (20, 0, 5)], False, True, None) == ([2, 3], "logprobs")
-    assert client._counts(snaps, False, False, 3) == ([1, 1, 1], "chunks")
-    counts, src = client._counts(snaps, False, False, 9)
-    assert src == "chunks" and counts == [3, 3, 3]
-
-
 def test_aggregate_repeats():
     a = {"output_tps": 10.0, "ttft_ms_p50": 5.0, "acceptance_per_pos": [0.5, 0.25], "token_count_sources": ["usage"]}
     b = {"output_tps": 14.0, "ttft_ms_p50": 7.0, "acceptance_per_pos": [0.7, 0.35], "token_count_sources": ["usage"]}
     g = metrics.aggregate([a, b])
     assert g["num_repeats"] == 2 and g["output_tps"] == 12.0 and g["acceptance_per_pos"] == pytest.approx([0.6, 0.3])
     assert g["spread"]["output_tps"][:2] == [10.0, 14.0] and g["token_count_sources"] == ["usage"]
+    assert metrics.aggregate([{"itl_token_exact": True}, {"itl_token_exact": False}])["itl_token_exact"] is False
 
 
 def test_gamma_arrivals_mean_rate():

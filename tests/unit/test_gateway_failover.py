@@ -31,9 +31,10 @@ def _backends(gw):
 def test_health_checks_eject_and_return():
     with fleet({"b1": "baseline", "b2": "baseline"}) as (gw, states, _):
         states["b1"].healthy = False
-        t0 = time.monotonic()
-        wait_for(lambda: not _backends(gw)["b1"]["healthy"], timeout_s=2)
-        assert time.monotonic() - t0 < 0.2 + 0.5 + 0.3  # one interval (+ the check's own time)
+        wait_for(lambda: not _backends(gw)["b1"]["healthy"], timeout_s=10)
+        # Ejected by the first failed check, i.e. within one check interval (counted in checks, not in
+        # wall time, which a loaded machine stretches).
+        assert _backends(gw)["b1"]["last_error"].startswith("health check failed 1x"), _backends(gw)["b1"]
         assert {_post(gw).headers["x-specserve-backend"] for _ in range(10)} == {"b2"}
         m = HTTP.get(gw.base_url + "/metrics").text
         assert 'specserve:gateway_backend_up{backend="b1",profile="baseline"} 0.0' in m

@@ -65,14 +65,16 @@ def test_bad_candidate_reverted_within_one_window(fault, gate):
         elif fault == "lossy":
             n1.lossy = True
         HTTP.post(gw.base_url + "/admin/rollout", headers=AUTH, json=plan).raise_for_status()
-        t0 = time.monotonic()
         if fault == "ejected":
             time.sleep(0.5)
             n1.healthy = False
-            t0 = time.monotonic()
         st = _finish(gw)
         assert st["state"] == "reverted" and gate in st["reason"], st["reason"]
-        assert time.monotonic() - t0 <= plan["window_s"] + 1.0  # within one window (+ a check's time)
+        # Reverted at the first step, before any promotion: the gate caught the fault in that step's window
+        # (counted in events, not wall time, which a loaded machine stretches).
+        events = [e["event"] for e in st["history"]]
+        assert "promote" not in events and st["history"][-1]["event"] == "revert", events
+        assert st["history"][-1]["step"] == 0, st["history"][-1]
         codes = Counter(traffic.codes)
         if fault in ("slow", "lossy", "ejected"):
             assert set(codes) == {200}  # no client saw an error
@@ -135,7 +137,7 @@ def test_rollout_cli_against_the_gateway(tmp_path, monkeypatch, capsys):
         assert "rollout of ngram vs baseline: running, step 1/2 (10%)" in out and "baseline 90%, ngram 10%" in out
         for _ in range(6):
             HTTP.post(gw.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0})
-        time.sleep(0.5)
+        wait_for(lambda: _rollout(gw).get("last_evaluation"))  # the controller has evaluated the gates
         assert main(["rollout", "status", *url]) == 0
         out = capsys.readouterr().out
         assert "GATE" in out and "p95_e2e_ratio" in out and "history (latest last)" in out

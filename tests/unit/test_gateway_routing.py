@@ -105,6 +105,9 @@ def test_error_shapes_and_overrides():
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = HTTP.post(gw.base_url + "/v1/completions", json=[1, 2], timeout=10)
         assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+        for raw in (b"[" * 1000 + b"]" * 1000, b'{"prompt": NaN}'):  # the server's body limits (issue 12)
+            r = HTTP.post(gw.base_url + "/v1/completions", content=raw, timeout=10)
+            assert r.status_code == 400 and "Recursion" not in r.text, r.text
         r = _post(gw, {"prompt": "x", "profile": "ngram"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "profile_override_forbidden"
         r = _post(gw, headers={"x-specserve-profile": "ngram"})

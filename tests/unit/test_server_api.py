@@ -6,6 +6,8 @@ profile naming, and the OpenAI-shaped errors with the server still serving after
 The same properties over the real engine are in tests/e2e/test_server_e2e.py.
 """
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -144,7 +146,7 @@ def test_headers_models_health(server, client):
                                                        extra_body={"profile": "suffix"})
     assert resp.headers["x-specserve-profile"] == "suffix"
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok", "last_step_age_s": 0.0, "in_flight": 0}
 
 
 BAD = [
@@ -187,3 +189,50 @@ def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=MODEL, prompt="q" * 200, max_tokens=3, stream=True)
     assert ei.value.body["code"] == "context_length_exceeded"
+
+
+def _sse(server, path, body):
+    """The parsed `data:` events of one streamed request (raw, so every key the server sent is seen)."""
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[5:]) for line in r.iter_lines()
+                if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("profile", ["baseline", "ngram_4"])
+def test_continuous_usage_stats_counts_every_chunk_exactly(server, chat, profile):
+    """stream_options.continuous_usage_stats (vLLM's key): usage on every chunk, its completion_tokens
+    the choice's tokens so far, so each chunk's increase is exactly its token count (= its logprob
+    entries), also for a chunk whose tokens add no text yet (held back by a stop string prefix)."""
+    base = {"model": MODEL, "max_tokens": 30, "temperature": 0, "n": 2, "seed": 1, "stream": True,
+            "profile": profile, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if chat:
+        path, body, lp = "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": "hi"}],
+                                                  "logprobs": True}, "content"
+    else:
+        path, body, lp = "/v1/completions", {**base, "prompt": "The quick brown fox", "logprobs": 0}, "tokens"
+    plain = _sse(server, path, {**body, "stream_options": {"include_usage": True}, "n": 1})
+    text = "".join((c["delta"].get("content") if chat else c["text"]) or "" for e in plain for c in e["choices"])
+    body["stop"] = [text[9] + "#"]  # never matches, but holds back text after every occurrence of text[9]
+    events = _sse(server, path, body)
+    choice_events = [e for e in events if e["choices"]]
+    assert all(e["usage"] is not None for e in choice_events)
+    last, held = {0: 0, 1: 0}, 0
+    for e in choice_events:
+        c = e["choices"][0]
+        n_new = e["usage"]["completion_tokens"] - last[c["index"]]
+        last[c["index"]] = e["usage"]["completion_tokens"]
+        assert n_new == len((c["logprobs"] or {}).get(lp) or [])
+        assert e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"] == e["usage"]["total_tokens"]
+        held += n_new > 0 and not ((c["delta"].get("content") if chat else c["text"]) or "")
+    assert last == {0: 30, 1: 30} and (held > 0 or profile != "baseline")  # one token a step: some held back
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 60
+    if chat:
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[0]["usage"]["completion_tokens"] == 0
+    if profile != "baseline":
+        assert max(n for n in (e["usage"]["completion_tokens"] for e in choice_events)) == 30
+        assert any(len((e["choices"][0]["logprobs"] or {}).get(lp) or []) > 1 for e in choice_events)
+    # continuous_usage_stats alone (without include_usage) adds nothing, as in vLLM
+    alone = _sse(server, path, {**body, "stream_options": {"continuous_usage_stats": True}, "n": 1})
+    assert all(e.get("usage") is None for e in alone)

@@ -66,10 +66,10 @@ def server():
 
 @pytest.mark.parametrize("error", [KeyError, TypeError, ValueError, IndexError])
 def test_an_engine_bug_is_a_500_with_a_logged_traceback(server, monkeypatch, caplog, error):
-    def broken(text):
+    def broken(text, *a, **kw):
         raise error("secret internal detail")
 
-    monkeypatch.setattr(server.client.engine, "encode_prompt", broken)  # called on the engine thread
+    monkeypatch.setattr(server.client._encoder.tokenizer, "encode", broken)  # called on the tokenizer thread
     with caplog.at_level(logging.ERROR, logger="specserve.server"):
         r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
     assert r.status_code == 500, r.text

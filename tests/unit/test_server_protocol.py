@@ -4,7 +4,6 @@ import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
 
 from specserve.inputs import ChatPrompt, InvalidRequestError, TextPrompt, TokenPrompt
 from specserve.metrics.prometheus import ServerMetrics
@@ -14,69 +13,104 @@ from specserve.server import formatting as fmt
 from specserve.server import protocol as P
 
 
+def _parse(body, chat=None, max_model_len=128, vocab_size=260):
+    chat = "messages" in body if chat is None else chat
+    return P.parse_request(body, chat=chat, max_model_len=max_model_len, vocab_size=vocab_size)
+
+
 def test_completion_defaults_and_mapping():
-    r = P.CompletionRequest.model_validate({"prompt": "hi", "stop": "x", "seed": 3, "logit_bias": {"5": -100},
-                                            "top_k": 20, "min_p": 0.1, "logprobs": 2, "n": 2})
-    sp = P.sampling_params(r)
+    r = _parse({"prompt": "hi", "stop": "x", "seed": 3, "logit_bias": {"5": -100}, "top_k": 20, "min_p": 0.1,
+                "logprobs": 2, "n": 2})
+    sp = r.params
     assert sp.max_tokens == 16 and sp.temperature == 1.0 and sp.top_p == 1.0
     assert sp.stop == ["x"] and sp.seed == 3 and sp.logit_bias == {5: -100.0}
     assert sp.top_k == 20 and sp.min_p == 0.1 and sp.logprobs == 2 and sp.n == 2
-    assert P.completion_prompt(r) == "hi"
-    assert P.completion_prompt(P.CompletionRequest(prompt=[1, 2])) == [1, 2]
-    assert P.completion_prompt(P.CompletionRequest(prompt=[[1, 2]])) == [1, 2]
-    assert P.completion_prompt(P.CompletionRequest(prompt=["x"])) == "x"
-    assert P.engine_prompt(r) == TextPrompt("hi")
-    assert P.engine_prompt(P.CompletionRequest(prompt=[[1, 2]])) == TokenPrompt((1, 2))
+    assert r.prompts == [TextPrompt("hi")] and r.n == r.best_of == 2
+    assert _parse({"prompt": [1, 2]}).prompts == [TokenPrompt((1, 2))]
+    assert _parse({"prompt": [[1, 2]]}).prompts == [TokenPrompt((1, 2))]
+    assert _parse({"prompt": ["x"]}).prompts == [TextPrompt("x")]
+    assert _parse({"prompt": ["a", "b"]}).prompts == [TextPrompt("a"), TextPrompt("b")]  # a batch, as vLLM
+    assert _parse({"prompt": [[1], [2, 3]]}).prompts == [TokenPrompt((1,)), TokenPrompt((2, 3))]
+    # max_completion_tokens on /v1/completions too (it wins over max_tokens)
+    r = _parse({"prompt": "x", "max_tokens": 16, "max_completion_tokens": 7})
+    assert r.params.max_tokens == 7 and r.max_tokens_param == "max_completion_tokens"
 
 
 def test_chat_mapping_and_logprobs():
-    r = P.ChatCompletionRequest.model_validate({
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 7, "max_tokens": 3, "logprobs": True, "top_logprobs": 4})
-    sp = P.sampling_params(r)
-    assert sp.max_tokens == 7 and sp.logprobs == 4
-    assert P.chat_messages(r) == [{"role": "user", "content": "ab"}]
-    assert P.engine_prompt(r) == ChatPrompt(({"role": "user", "content": "ab"},))
-    assert P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])).max_tokens is None
-    assert P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                                                     logprobs=True)).logprobs == 0
+    r = _parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                "max_completion_tokens": 7, "max_tokens": 3, "logprobs": True, "top_logprobs": 4})
+    assert r.params.max_tokens == 7 and r.params.logprobs == 4
+    assert r.prompts == [ChatPrompt(({"role": "user", "content": "a\nb"},))]  # parts joined with "\n", as vLLM
+    assert _parse({"messages": [{"role": "user", "content": "x"}]}).params.max_tokens is None
+    assert _parse({"messages": [{"role": "user", "content": "x"}], "logprobs": True}).params.logprobs == 0
 
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 128}, "max_tokens"),  # the context is 128: no room for a prompt
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": 1e308}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1e-300}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "", "max_tokens": 1}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [], "max_tokens": 1}, "prompt"),
+    ({"prompt": [300]}, "prompt"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
     ({"prompt": "x", "logprobs": 30}, "logprobs"),
     ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "best_of": 3, "n": 4}, "best_of"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [260]}, "stop_token_ids"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "nope"}}, "response_format.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "assistant"}]}, "messages[1].content"),
+    ({"messages": [{"role": "tool", "content": "r"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": None}, "model"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "true"}, "stream"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5.0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "x"}}, "audio"),
 ])
 def test_bad_values_name_their_param(body, param):
-    r = (P.ChatCompletionRequest if "messages" in body else P.CompletionRequest).model_validate(body)
     with pytest.raises(InvalidRequestError) as ei:
-        P.sampling_params(r)
-        P.engine_prompt(r)
+        _parse(body)
     assert ei.value.param == param and param in str(ei.value)  # the message names the field the client sent
 
 
-def test_wrong_types_fail_validation_and_unknown_fields_ignored():
-    for body in ({"prompt": "x", "max_tokens": "lots"}, {"prompt": 5}, {"prompt": "x", "stop": 3},
-                 {"max_tokens": 3}):
-        with pytest.raises(ValidationError):
-            P.CompletionRequest.model_validate(body)
-    assert P.CompletionRequest.model_validate({"prompt": "x", "whatever": {"a": 1}}).prompt == "x"
-    with pytest.raises(InvalidRequestError):
-        P.sampling_params(P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2))
+def test_unknown_fields_are_logged_once_and_ignored(caplog):
+    notes = P.UnknownFieldNotes()
+    with caplog.at_level("WARNING", logger="specserve.server"):
+        for _ in range(3):
+            r = P.parse_request({"prompt": "x", "whatever": {"a": 1}}, chat=False, max_model_len=128, vocab_size=260,
+                                notes=notes)
+            assert r.prompts == [TextPrompt("x")]
+    assert sum("whatever" in rec.getMessage() for rec in caplog.records) == 1
 
 
 class _Tok:

@@ -122,7 +122,7 @@ def test_engine_failure_is_503_not_a_hang():
     app = create_app(fake_client(lm=ToyLM(_exploding)), None, ServerSettings())
     with ServerThread(app) as srv:
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "boom", "max_tokens": 3}, timeout=10)
-        assert r.status_code == 503 and "kaboom" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "kaboom" not in r.text  # nothing internal in the body
         assert httpx.get(srv.base_url + "/health").status_code == 503
         r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "fine", "max_tokens": 3}, timeout=10)
         assert r.status_code == 503 and r.headers["retry-after"]

@@ -25,19 +25,19 @@ FAST = {"candidate": "ngram_4", "steps": [50, 100], "min_dwell_s": 0, "min_reque
 class FailingSpecClient(AsyncEngine):
     """The candidate fails on purpose: every speculative request is an engine error (HTTP 500)."""
 
-    async def submit(self, request_id, prompt, params, spec_config, arrival_time=None):
+    async def submit(self, request_id, prompt, params, spec_config, arrival_time=None, **kw):
         if spec_config is not None:
             raise RuntimeError("injected candidate failure")
-        return await super().submit(request_id, prompt, params, spec_config, arrival_time)
+        return await super().submit(request_id, prompt, params, spec_config, arrival_time, **kw)
 
 
 class LossySpecClient(AsyncEngine):
     """A broken candidate whose greedy output differs (one token short): what the shadow check catches."""
 
-    async def submit(self, request_id, prompt, params, spec_config, arrival_time=None):
+    async def submit(self, request_id, prompt, params, spec_config, arrival_time=None, **kw):
         if spec_config is not None:
             params = [p.clone(max_tokens=p.max_tokens - 1) for p in params]
-        return await super().submit(request_id, prompt, params, spec_config, arrival_time)
+        return await super().submit(request_id, prompt, params, spec_config, arrival_time, **kw)
 
 
 def _start(tmp_path, engine=None, state="state.json"):
