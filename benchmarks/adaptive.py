@@ -18,7 +18,7 @@ speedup of the same method.
     python benchmarks/adaptive.py --out docs/benchmarks                      # parts A and B
     python benchmarks/adaptive.py --out docs/benchmarks --sweep-check        # and the sweep goal
 
-On a shared machine, run it in parts (each under `/work/wt/bin/quiet-run`), then combine them:
+On a shared machine, run it in parts (each alone on the machine), then combine them:
 
     python benchmarks/adaptive.py --out out/parts --tag A --segments chat,summarize,tool_call
     python benchmarks/adaptive.py --out out/parts --tag code --segments code

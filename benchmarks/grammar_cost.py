@@ -9,7 +9,7 @@ rolled back), applying them to the logits (`apply_grammar`) and advancing by com
 times; medians. With and without a grammar the model writes different text (JSON vs prose), so the
 ms/token columns compare the step cost, and the grammar column is the part that is the grammar's.
 
-    /work/wt/bin/quiet-run python benchmarks/grammar_cost.py --threads 1 --out docs/benchmarks
+    python benchmarks/grammar_cost.py --threads 1 --out docs/benchmarks
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
            "grammar_compiler_setup_and_first_compile_s": setup_s, "schema": SCHEMA, "results": summary}
     lines = ["# Structured output: cost per token (benchmarks/grammar_cost.py)", "",
              f"{args.model}, CPU fp32, {out['threads']} thread(s), greedy, max_tokens {args.max_tokens}, median of "
-             f"{args.repeats} rotating runs; run alone under quiet-run. Tokenizer description + first schema compile: "
+             f"{args.repeats} rotating runs; run alone on the machine. Tokenizer description + first schema compile: "
              f"{setup_s:.2f} s (once per server; later compiles of the same schema are cache hits).", "",
              "| batch | speculation | output | decode ms/token | grammar ms/token (fill + apply + accept) | acceptance |",
              "|---|---|---|---|---|---|"]

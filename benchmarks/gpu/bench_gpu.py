@@ -105,6 +105,7 @@ METHODS = {
     # holds the other suffix method's output for the same prompt (which it would replay at no cost)
     "suffix_k15": {"method": "suffix", "num_speculative_tokens": 15, "suffix_decoding_max_cached_requests": 9999},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+    "draft_model_k5": {"method": "draft_model", "num_speculative_tokens": 5},
 }
 # 16 concurrent: the same, plus k capped by batch size (vLLM's num_speculative_tokens_per_batch_size,
 # [bs_lo, bs_hi, k]) and the adaptive schedule (k per request and step from the measured step cost)
@@ -113,6 +114,10 @@ C16_EXTRA = {
     "ngram_pbs": {**METHODS["ngram"], "num_speculative_tokens_per_batch_size": [[1, 4, 5], [5, 16, 3]]},
     "suffix_pbs": {**METHODS["suffix"], "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 16, 4]]},
     "draft_model_pbs": {**METHODS["draft_model"], "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 16, 1]]},
+    # k = 0 at 16 concurrent (the proposer does no work for a request with k = 0)
+    "suffix_pbs0": {**METHODS["suffix"], "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 8, 4], [9, 16, 0]]},
+    "draft_model_pbs0": {**METHODS["draft_model"],
+                         "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 8, 1], [9, 16, 0]]},
     "ngram_adaptive": {**METHODS["ngram_k8"], "num_speculative_tokens_schedule": "adaptive"},
     # its own suffix proposer (see suffix_k15): no other profile's outputs of the same prompts in its tree
     "suffix_adaptive": {**METHODS["suffix"], "num_speculative_tokens_schedule": "adaptive",
@@ -328,11 +333,16 @@ def run(args) -> None:
             torch.cuda.empty_cache()
             save(res, args.out)
         if name in args.fp32_check and dev == "cuda":  # fp32: greedy speculation must equal the baseline
+            from specserve.model import triton_ops
+
+            if args.fp32_attention_precision:
+                triton_ops.FP32_ATTENTION_PRECISION = args.fp32_attention_precision
             f32 = LLM(target, dtype="float32", device=dev, max_model_len=args.max_model_len, max_num_seqs=16)
             f_cfgs = {m: c for m, c in cfgs.items() if m in ("baseline", "ngram", "suffix")}
             b1f = batch1(f32, samples, f_cfgs, 1, log)
             mrf, n_f = match_rate(b1f["outs"], {(0, m) for m in f_cfgs if m != "baseline"}, "baseline")
-            r["fp32"] = {"greedy_match_rate": mrf, "runs": n_f, "batch1_baseline_tok_s": sum(
+            r["fp32"] = {"attention_precision": triton_ops.FP32_ATTENTION_PRECISION,
+                         "greedy_match_rate": mrf, "runs": n_f, "batch1_baseline_tok_s": sum(
                 v[0] for kk, v in b1f["acc"].items() if kk[2] == "baseline") / sum(
                 v[1] for kk, v in b1f["acc"].items() if kk[2] == "baseline")}
             log(f"  fp32: match {mrf:.3f}, baseline {r['fp32']['batch1_baseline_tok_s']:.0f} tok/s")
@@ -406,6 +416,8 @@ def main() -> None:
     r.add_argument("--c16-requests", type=int, default=32)
     r.add_argument("--fp32-check", action="append", default=[],
                    help="model name (repeatable) whose greedy speculation is also compared in fp32")
+    r.add_argument("--fp32-attention-precision", choices=["ieee", "tf32x3"], default=None,
+                   help="tl.dot precision of the fp32 attention in the --fp32-check run (default: the module's)")
     r.add_argument("--hf-prompts", type=int, default=1, help="transformers prompts per segment (0: skip)")
     r.add_argument("--hf-max-tokens", type=int, default=128)
     r.add_argument("--device", default="cuda", help="cuda (cpu only for a smoke run of this script)")

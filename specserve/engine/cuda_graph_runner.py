@@ -121,8 +121,14 @@ class CudaGraphRunner:
         return self.run(inp.slots, inp.start_positions, inp.token_ids, inp.num_rows)
 
     def run(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
-            num_logits: list[int]) -> torch.Tensor:
-        """`forward` for a step given as per-sequence lists (slot, first position, new tokens, logits rows)."""
+            num_logits: list[int], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` for a step given as per-sequence lists (slot, first position, new tokens, logits rows).
+
+        Args:
+            device_ids: optional [T] token ids already on the device (a draft model's previous argmax);
+                they replace the flat `token_ids` (which then only give each sequence's length) after the
+                host-to-device copy, in stream order: chained forwards need no device-to-host copy.
+        """
         lengths = self.kv.lengths
         for slot, start in zip(slots, starts):
             if lengths[slot] != start:
@@ -138,6 +144,8 @@ class CudaGraphRunner:
                           bucket.num_seqs)
             self._dev.copy_(self._host[i], non_blocking=True)
             self._copied[i].record()
+            if device_ids is not None:
+                self.layout.field(self._dev, "input_ids", T).copy_(device_ids)
             self._graphs[bucket].replay()
             self.num_graph_steps += 1
             logits = self._out[:R]
@@ -146,6 +154,8 @@ class CudaGraphRunner:
             host = np.empty(layout.size, dtype=np.int32)
             R = pack_step(host, layout, slots, starts, token_ids, num_logits, T, B)
             dev = torch.from_numpy(host).to(self.device, non_blocking=False)
+            if device_ids is not None:
+                layout.field(dev, "input_ids", T).copy_(device_ids)
             f = lambda name, n: layout.field(dev, name, n)  # noqa: E731
             step = StepTensors(f("input_ids", T), f("positions", T), f("token_slots", T), f("logits_rows", R),
                                f("seq_qstart", B), f("seq_qlen", B), f("seq_ctx", B), f("seq_slot", B), qmax,

@@ -39,42 +39,43 @@ class SeqInput:
     num_logits: int
 
 
-@dataclass
 class ModelInput:
-    """One forward's inputs as flat tensors: B sequences, T = sum(query_lens) new tokens, R logits rows.
+    """One forward's inputs: B sequences, T = sum(query_lens) new tokens, R logits rows.
 
     Sequence b feeds tokens [query_start_loc[b], query_start_loc[b + 1]) of the flat step, at positions
     start_positions[b] ... into KV slot slots[b]; its logits rows are its last num_rows[b] tokens, in
-    sequence order. All tensors are int64 views of one buffer on the device (one host-to-device copy).
+    sequence order. The per-sequence host lists are always there; the flat device tensors are built on
+    first use (int64 views of one buffer, one host-to-device copy), so a runner that packs its own
+    layout from the host lists (`specserve.engine.cuda_graph_runner`) pays nothing for them.
 
     Attributes:
-        input_ids: [T] token ids.
+        slots, start_positions, query_lens, num_rows: per sequence, host lists.
+        token_ids: the new tokens per sequence, host lists.
+        input_ids: [T] token ids (device).
         positions: [T] position of each token in its sequence.
         slot_mapping: [T] KV slot of each token.
         query_start_loc: [B + 1] cumulative new-token offsets (query_start_loc[0] = 0).
         seq_lens: [B] context length of each sequence after the step (start + new tokens).
         logits_indices: [R] flat token index of each logits row.
-        slots, start_positions, query_lens, num_rows: the same per sequence as host lists (KV
-            bookkeeping and attention metadata).
-        token_ids: the new tokens per sequence as host lists (the CUDA runner packs its graph inputs
-            from these; `specserve.engine.cuda_graph_runner`).
     """
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    logits_indices: torch.Tensor
-    slots: list[int]
-    start_positions: list[int]
-    query_lens: list[int]
-    num_rows: list[int]
-    token_ids: list[list[int]]
+    _FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices")
+
+    def __init__(self, slots: Sequence[int], starts: Sequence[int], token_ids: Sequence[Sequence[int]],
+                 num_rows: Sequence[int], device: torch.device):
+        qlens = []
+        for slot, toks, nr in zip(slots, token_ids, num_rows):
+            n = len(toks)
+            if n == 0 or not 0 <= nr <= n:
+                raise ValueError(f"slot {slot}: {n} new tokens and {nr} logits rows")
+            qlens.append(n)
+        self.slots, self.start_positions, self.query_lens = list(slots), list(starts), qlens
+        self.num_rows, self.token_ids, self.device = list(num_rows), list(token_ids), device
+        self._tensors: tuple[torch.Tensor, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
+        return sum(self.query_lens)
 
     @classmethod
     def build(
@@ -85,34 +86,42 @@ class ModelInput:
         num_rows: Sequence[int],
         device: torch.device,
     ) -> "ModelInput":
-        """The one place the flat layout is computed (the StepPlan and `SeqInput` callers both use it).
+        """The one place the flat layout is defined (the StepPlan and `SeqInput` callers both use it).
 
         Raises:
             ValueError: a sequence with no new tokens, or more logits rows than new tokens.
         """
-        ids: list[int] = []
-        pos: list[int] = []
-        slot_map: list[int] = []
-        qsl = [0]
-        rows: list[int] = []
-        qlens = []
-        for slot, start, toks, nr in zip(slots, starts, token_ids, num_rows):
-            n = len(toks)
-            if n == 0 or not 0 <= nr <= n:
-                raise ValueError(f"slot {slot}: {n} new tokens and {nr} logits rows")
-            ids += toks
-            pos += range(start, start + n)
-            slot_map += [slot] * n
-            end = qsl[-1] + n
-            rows += range(end - nr, end)
-            qsl.append(end)
-            qlens.append(n)
-        seq_lens = [s + q for s, q in zip(starts, qlens)]
-        T, B = len(ids), len(qlens)
-        flat = torch.tensor(ids + pos + slot_map + qsl + seq_lens + rows, dtype=torch.int64)
-        flat = flat.to(device, non_blocking=True)
-        parts = flat.split([T, T, T, B + 1, B, len(rows)])
-        return cls(*parts, list(slots), list(starts), qlens, list(num_rows), list(token_ids))
+        return cls(slots, starts, token_ids, num_rows, device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, slot_mapping, query_start_loc, seq_lens, logits_indices), built once."""
+        if self._tensors is None:
+            ids: list[int] = []
+            pos: list[int] = []
+            slot_map: list[int] = []
+            qsl = [0]
+            rows: list[int] = []
+            for slot, start, toks, nr in zip(self.slots, self.start_positions, self.token_ids, self.num_rows):
+                n = len(toks)
+                ids += toks
+                pos += range(start, start + n)
+                slot_map += [slot] * n
+                end = qsl[-1] + n
+                rows += range(end - nr, end)
+                qsl.append(end)
+            seq_lens = [s + q for s, q in zip(self.start_positions, self.query_lens)]
+            T, B = len(ids), len(self.query_lens)
+            flat = torch.tensor(ids + pos + slot_map + qsl + seq_lens + rows, dtype=torch.int64)
+            flat = flat.to(self.device, non_blocking=True)
+            self._tensors = tuple(flat.split([T, T, T, B + 1, B, len(rows)]))
+        return self._tensors
+
+    input_ids = property(lambda self: self.tensors()[0])
+    positions = property(lambda self: self.tensors()[1])
+    slot_mapping = property(lambda self: self.tensors()[2])
+    query_start_loc = property(lambda self: self.tensors()[3])
+    seq_lens = property(lambda self: self.tensors()[4])
+    logits_indices = property(lambda self: self.tensors()[5])
 
 
 class ModelRunner:
@@ -144,5 +153,19 @@ class ModelRunner:
 
     def forward(self, seqs: list[SeqInput]) -> torch.Tensor:
         """`execute` for a list of `SeqInput`: logits [sum(s.num_logits), vocab], rows in `seqs` order."""
-        return self.execute(ModelInput.build([s.slot for s in seqs], [s.start for s in seqs],
-                                             [s.token_ids for s in seqs], [s.num_logits for s in seqs], self.device))
+        return self.run([s.slot for s in seqs], [s.start for s in seqs], [s.token_ids for s in seqs],
+                        [s.num_logits for s in seqs])
+
+    def run(self, slots: list[int], starts: list[int], token_ids: list[list[int]], num_logits: list[int],
+            device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` for a step given as per-sequence lists (slot, first position, new tokens, logits rows).
+
+        Args:
+            device_ids: optional [T] token ids already on the device (e.g. a draft model's previous
+                argmax); they replace the flat `token_ids` (which then only give each sequence's length),
+                so a caller can chain forwards without a device-to-host copy in between.
+        """
+        inp = ModelInput.build(slots, starts, token_ids, num_logits, self.device)
+        if device_ids is not None:
+            inp.input_ids.copy_(device_ids)
+        return self.execute(inp)

@@ -205,7 +205,7 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, po_ptr, pml_ptr,
                       stride_ps, stride_pt, stride_ms, stride_mt,
                       G: tl.constexpr, G_P2: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, QLIMIT: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      F32: tl.constexpr):
     # SPLIT == 0: one program per (sequence, KV head, query tile) covers every key and writes the output;
     # only sequences with more than QLIMIT new tokens (prefill chunks). SPLIT > 0: program (.., qb * NSPLIT
     # + sp) covers keys [sp * SPLIT, (sp + 1) * SPLIT) and writes an unnormalized partial (flash-decoding,
@@ -246,8 +246,10 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, po_ptr, pml_ptr,
             n = start + tl.arange(0, BLOCK_N)
             nm = n < k_hi
             k = tl.load(k_cache_ptr + base + n[:, None] * stride_cl + d[None, :], mask=nm[:, None], other=0.0)
-            if IEEE:
+            if F32 == 1:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            elif F32 == 2:
+                s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
             else:
                 s = tl.dot(q, tl.trans(k))
             s = tl.where((n[None, :] <= qpos[:, None]) & nm[None, :], s * scale_log2, float("-inf"))
@@ -258,8 +260,10 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, po_ptr, pml_ptr,
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_cache_ptr + base + n[:, None] * stride_cl + d[None, :], mask=nm[:, None], other=0.0)
-            if IEEE:
+            if F32 == 1:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            elif F32 == 2:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="tf32x3")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -314,6 +318,9 @@ def _combine_kernel(o_ptr, po_ptr, pml_ptr, seq_qstart_ptr, seq_qlen_ptr, seq_ct
 
 ATTENTION_SPLIT = 128  # keys per split for decode / verify rows (flash-decoding); fixed, see _attention_kernel
 SPLIT_MAX_QLEN = 16  # sequences with at most this many new tokens take the split path
+# fp32 attention's tl.dot: "ieee" (fp32 FMA) or "tf32x3" (tensor cores, three tf32 passes: close to fp32);
+# docs/gpu-notes.md has what each costs on the H200
+FP32_ATTENTION_PRECISION = "tf32x3"
 
 
 def attention_tile(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
@@ -354,8 +361,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out is None:
         out = torch.empty((T, H * D), dtype=q.dtype, device=q.device)
     B = seq_qlen.shape[0]
-    common = dict(G=H // Hkv, G_P2=g_p2, BQ=bq, D=D, BLOCK_N=64, QLIMIT=qlimit, IEEE=q.dtype == torch.float32,
-                  num_warps=4, num_stages=2)
+    f32 = {"ieee": 1, "tf32x3": 2}[FP32_ATTENTION_PRECISION] if q.dtype == torch.float32 else 0
+    common = dict(G=H // Hkv, G_P2=g_p2, BQ=bq, D=D, BLOCK_N=64, QLIMIT=qlimit, F32=f32, num_warps=4, num_stages=2)
     meta = (seq_qstart, seq_qlen, seq_ctx, seq_slot, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), D,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     if max_qlen > qlimit:  # prefill chunks: one pass

@@ -4,7 +4,8 @@ What it does: keeps its own model, KV cache and per-request slot. Each step it r
 the longest common prefix of what it has cached and the request's committed tokens (the same
 `KVCache.truncate` primitive the target uses), feeds the tokens it has not seen in one batched forward,
 then drafts k tokens autoregressively, batched over requests. Greedy requests get the draft's argmax
-(one-hot q); sampled requests get a sample from the draft's own distribution under the request's
+(one-hot q; when every request of the call is greedy the k forwards are chained on the device, each
+reading the previous argmax there, with one device-to-host copy at the end); sampled requests get a sample from the draft's own distribution under the request's
 temperature/top-k/top-p/min-p, drawn with the request's uniform u(seed, output position, DRAFT)
 (`specserve.sample.uniforms`), and that q is returned for the rejection sampler (Leviathan et al. 2023).
 A request whose context does not fit the draft's shorter context gets fewer (or no) drafts.
@@ -48,6 +49,7 @@ class DraftModelProposer:
     """
 
     method = "draft_model"
+    chain_greedy = True  # all-greedy calls chain the k forwards on the device (False: one host copy per draft)
 
     def __init__(self, spec_config: SpeculativeConfig, context: ProposerContext):
         self.draft = LoadedModel(spec_config.model, context.dtype, str(context.device), context.max_model_len,
@@ -109,6 +111,9 @@ class DraftModelProposer:
             seq.cached = list(ids[:n])
             plans.append((inp, seq, k))
         active = [(inp, seq, k) for inp, seq, k in plans if k > 0]
+        if self.chain_greedy and active and all(inp.sampling_params.greedy for inp, _, _ in active):
+            drafts = self._greedy_chain(active)
+            return [Proposal(drafts.get(inp.request_id, []), None) for inp in inputs]
         drafts: dict[str, list[int]] = {inp.request_id: [] for inp in inputs}
         qs: dict[str, list[torch.Tensor]] = {inp.request_id: [] for inp in inputs}
         feeds = [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active]
@@ -142,6 +147,44 @@ class DraftModelProposer:
             q = qs[inp.request_id]
             out.append(Proposal(drafts[inp.request_id], torch.stack(q) if q else None))
         return out
+
+    def _greedy_chain(self, active: list) -> dict[str, list[int]]:
+        """Greedy drafts for `active` [(input, seq, k)] with the tokens kept on the device: each draft
+        forward reads the previous forward's argmax from the device (`runner.run(device_ids=...)`), so
+        the k forwards are queued back to back and the host waits once, for all drafts, at the end
+        (one device-to-host copy per propose call instead of one per draft position). The drafts are the
+        same as the step-by-step argmax (the same forwards in the same order)."""
+        runner = self.draft.runner
+        V = min(self.target_vocab, self.draft.config.vocab_size)
+        slots = [seq.slot for _, seq, _ in active]
+        pos = [len(seq.cached) for _, seq, _ in active]
+        feeds = [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active]
+        logits = runner.run(slots, pos, feeds, [1] * len(active))
+        tok = logits[:, :V].argmax(-1)
+        steps = [tok]  # steps[j][i]: draft j of the i-th request still drafting at step j
+        idx = list(range(len(active)))  # requests still drafting, as indices into `active`
+        members = [idx]
+        pos = [p + len(f) for p, f in zip(pos, feeds)]
+        for j in range(1, max(k for _, _, k in active)):
+            keep = [n for n, i in enumerate(idx) if active[i][2] > j]  # positions within the previous step
+            if len(keep) < len(idx):
+                tok = tok[torch.tensor(keep, device=tok.device)]
+            idx = [idx[n] for n in keep]
+            logits = runner.run([slots[i] for i in idx], [pos[i] + j - 1 for i in idx], [[0]] * len(idx),
+                                [1] * len(idx), device_ids=tok)
+            tok = logits[:, :V].argmax(-1)
+            steps.append(tok)
+            members.append(idx)
+        flat = torch.cat(steps).tolist()  # the one device-to-host copy
+        drafts: dict[str, list[int]] = {}
+        o = 0
+        for idx in members:
+            for i in idx:
+                drafts.setdefault(active[i][0].request_id, []).append(flat[o])
+                o += 1
+        for (inp, seq, k), feed in zip(active, feeds):
+            seq.cached += feed + drafts[inp.request_id][: k - 1]  # the last draft is not fed yet
+        return drafts
 
     def finish_request(self, request_id: str, token_ids) -> None:
         """Free the request's draft KV slot."""

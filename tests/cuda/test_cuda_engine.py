@@ -149,3 +149,16 @@ def test_greedy_speculation_token_identical(tiny_model_dir, tmp_path, dtype, bat
         assert single.token_ids == base[0]
     runner = llm.engine.target.runner
     assert runner.num_graph_steps > runner.num_eager_steps
+
+
+@needs_cuda
+def test_engine_freezes_what_it_loaded(tiny_model_dir):
+    """On CUDA the engine moves its start-up objects out of the cyclic GC's generations (gc.freeze)."""
+    import gc
+
+    from specserve import LLM
+
+    gc.unfreeze()
+    LLM(str(tiny_model_dir), device="cuda", max_model_len=64, max_num_seqs=2)
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()

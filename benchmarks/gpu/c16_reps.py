@@ -1,0 +1,98 @@
+"""16 concurrent, repeated: total output tok/s per profile (bench_gpu.py's c16 profiles), with the time the
+Python garbage collector paused the engine, with and without `gc.freeze()` after start-up.
+
+    python benchmarks/gpu/c16_reps.py --prompts prompts.json --out c16_reps.json \
+        --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct:qwen2.5-coder-0.5b-instruct
+
+Per model: every profile once to warm up, then `--reps` runs per mode in a rotating order; each suffix
+run gets a fresh proposer (an empty global tree: no replay of an earlier run's outputs of the same
+prompts). Mode "default" leaves the collector as it is; mode "gc_freeze" calls gc.collect(); gc.freeze()
+first (as vLLM does after start-up). Writes every run's tok/s and GC pause
+ms (by generation) and prints the medians over baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bg  # noqa: E402
+
+
+class GcPauses:
+    """Milliseconds spent in collections, by generation, while installed (gc.callbacks)."""
+
+    def __init__(self):
+        self.ms = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t0)
+
+
+def main() -> None:
+    from specserve import LLM
+    from specserve.spec_decode import make_proposer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--model", action="append", required=True, help="TARGET[:DRAFT]")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    samples = json.loads(Path(args.prompts).read_text())["samples"]
+    res = {"conditions": {"requests": args.requests, "reps": args.reps, "profiles": bg.C16_EXTRA}, "models": {}}
+    for spec in args.model:
+        target, _, draft = spec.partition(":")
+        llm = LLM(target, dtype="bfloat16", device="cuda", max_model_len=4096, max_num_seqs=16)
+        eng = llm.engine
+        cfgs = bg.method_configs(draft or None, {m: bg.METHODS[m] for m in bg.C16_PROFILES})
+        cfgs.update(bg.method_configs(draft or None, bg.C16_EXTRA))
+        names = list(cfgs)
+
+        def run(n):
+            c = cfgs[n]
+            if c is not None and c.method == "suffix":
+                eng.set_proposer(c, make_proposer(c, eng.proposer_context))
+            pauses = GcPauses()
+            gc.callbacks.append(pauses)
+            try:
+                r = bg.concurrent(llm, samples, c, args.requests)
+            finally:
+                gc.callbacks.remove(pauses)
+            return {"tok_s": r["total_tok_s"], "seconds": r["seconds"], "gc_ms": pauses.ms}
+
+        for n in names:
+            run(n)
+        out = res["models"][target] = {}
+        for mode in ("default", "gc_freeze"):
+            if mode == "gc_freeze":
+                gc.collect()
+                gc.freeze()
+            rows = out[mode] = {n: [] for n in names}
+            for rep in range(args.reps):
+                for n in names[rep % len(names):] + names[: rep % len(names)]:
+                    rows[n].append(run(n))
+            base = statistics.median(x["tok_s"] for x in rows["baseline"])
+            print(f"{target} {mode}: " + ", ".join(
+                f"{n} {statistics.median(x['tok_s'] for x in v) / base:.2f}x "
+                f"(gc {statistics.median(sum(x['gc_ms']) for x in v):.0f} ms)" for n, v in rows.items())
+                + f"; baseline {base:.0f} tok/s", flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        gc.unfreeze()
+        del llm, eng
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
