@@ -70,12 +70,14 @@ class BodyTooLarge(Exception):
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object. `code` is a machine-readable reason such as "context_length_exceeded", or
+    null when there is none beyond the HTTP status (as OpenAI sends it); `type` follows the status."""
     return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
             "param": param,
-            "code": code if code is not None else str(status),
+            "code": code,
         }
     }
 

@@ -184,6 +184,7 @@ def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=-2)
     assert ei.value.body["param"] == "temperature"
+    assert ei.value.body["code"] is None  # OpenAI sends null when there is no reason beyond the status
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError) as ei:
