@@ -87,8 +87,8 @@ def test_an_engine_bug_is_a_500_with_a_logged_traceback(server, monkeypatch, cap
     ("/v1/completions", {"prompt": "x" * 64}, "prompt", "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 64}]}, "messages",
      "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [300]}, "prompt", "400"),
-    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", "400"),
+    ("/v1/completions", {"prompt": [300]}, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", None),
 ])
 def test_a_refused_request_is_a_400_naming_its_param(server, path, body, param, code):
     r = httpx.post(server.base_url + path, json=body, timeout=10)
