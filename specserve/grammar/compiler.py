@@ -18,11 +18,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
-
+from specserve.grammar import xgrammar
 from specserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -55,6 +57,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 64):
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        xgr = xgrammar()
         if hasattr(tokenizer, "grammar_vocab"):
             info = xgr.TokenizerInfo(tokenizer.grammar_vocab(), xgr.VocabType.RAW, vocab_size=vocab_size,
                                      stop_token_ids=self.stop_token_ids)

@@ -16,14 +16,19 @@ What it does not do: apply masks (`specserve.sample.processors.apply_grammar`) o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+from specserve.grammar import xgrammar
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """int32 [num_rows, ceil(vocab_size / 32)] token bitmask (bit t % 32 of word t // 32: token t allowed)."""
-    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+    return xgrammar().allocate_token_bitmask(num_rows, vocab_size)
 
 
 class GrammarRejected(ValueError):
@@ -38,7 +43,7 @@ class GrammarState:
     """
 
     def __init__(self, compiled: xgr.CompiledGrammar):
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = xgrammar().GrammarMatcher(compiled)
         self.num_accepted = 0  # committed tokens accepted so far
 
     @property

@@ -11,8 +11,8 @@ What it does not do: verification or sampling (`specserve.sample.verifier`).
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
+from specserve.grammar import xgrammar
 from specserve.sample.batch import SamplingBatch
 
 
@@ -62,7 +62,7 @@ def apply_grammar(x: torch.Tensor, logits: torch.Tensor, batch: SamplingBatch) -
     rows, bitmask = batch.grammar
     if x is logits:
         x = logits.clone()
-    xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=batch.vocab_size, indices=rows)
+    xgrammar().apply_token_bitmask_inplace(x, bitmask, vocab_size=batch.vocab_size, indices=rows)
     return x
 
 

@@ -208,3 +208,12 @@ def test_compile_errors_name_the_parameter(llm):
     with pytest.raises(SamplingParamsError) as ei:
         SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
     assert ei.value.param == "ignore_eos"
+
+
+def test_engine_and_server_import_without_loading_xgrammar():
+    """xgrammar is imported on first structured-output use only (specserve.grammar.xgrammar)."""
+    import subprocess
+    import sys
+    code = ("import sys; import specserve.engine.llm_engine, specserve.sample.processors, specserve.server.api; "
+            "assert 'xgrammar' not in sys.modules, 'xgrammar loaded at import'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
