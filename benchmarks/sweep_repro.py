@@ -1,0 +1,98 @@
+"""Issue 10's sweep goal: does `specserve sweep` over 2 methods x 4 k x 2 concurrency levels x 3 segments finish
+in under 30 minutes here, and does its recommendation, re-run, reproduce within the reported spread?
+
+Starts one `specserve serve` (the model of --model, --allow-profile-override, admin token from the
+environment), runs the same `specserve sweep` command twice against it (the sweep adds its profiles
+through the admin API under a fresh tag each run, so the second run's suffix trees start empty too),
+and checks the second recommendation against the first with `sweep_select.consistent`: per (segment,
+concurrency) the re-run must pick a profile the first run found as good as its best (within its noise
+band). Writes <out>/sweep_<device>.json whose `summary` holds `wall_s` (each run), `under_30_min`,
+`reproduces` and the load average before and after.
+
+    python benchmarks/sweep_repro.py --out docs/benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRID = ["--methods", "ngram,suffix", "--k", "2,4,6,8", "--no-adaptive", "--concurrency", "1,4",
+        "--segments", "code,edit,chat", "--repeats", "2"]
+
+
+def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) -> tuple[dict, float]:
+    """One `specserve sweep` over GRID; returns (its sweep.json, wall seconds)."""
+    cmd = [sys.executable, "-m", "specserve.cli", "sweep", "--base-url", base_url, "--admin-token", token, *GRID,
+           "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--output-dir", str(out),
+           "--no-progress", "--no-html"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):  # 1: the sweep ran but some request failed (counted in its errors)
+        raise SystemExit(f"sweep failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(proc.stdout, flush=True)
+    return json.loads((out / "sweep.json").read_text()), wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-prompts", type=int, default=4, help="requests per run (the sweep's default)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="the sweep's default")
+    ap.add_argument("--work-dir", default="out/sweep-repro")
+    ap.add_argument("--out", default="docs/benchmarks")
+    args = ap.parse_args()
+
+    from specserve.bench.server_process import ServerProcess
+    from specserve.bench.sweep_select import consistent
+    from specserve.demo import prepare_model
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    files = prepare_model(args.model, progress=True)
+    token = secrets.token_hex(8)
+    os.environ["SPECSERVE_ADMIN_TOKEN"] = token  # the server reads it; never on a command line
+    profiles = work / "profiles.json"
+    profiles.write_text(json.dumps({"profiles": {"baseline": None}}))
+    server = ServerProcess(["--model", str(files.path), "--profiles", str(profiles), "--allow-profile-override",
+                            "--dtype", args.dtype, "--device", args.device, "--max-num-seqs", "4",
+                            "--log-level", "warning"], work / "server.log")
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    server.start(900)
+    try:
+        base_url = server.base_url + "/v1"
+        first, wall1 = run_sweep(base_url, token, work / "sweep1", args)
+        again, wall2 = run_sweep(base_url, token, work / "sweep2", args)
+    finally:
+        server.stop()
+    check = consistent(first["recommendations"], again["recommendations"])
+    result = {
+        "benchmark": "sweep_repro", "model": args.model, "started": started,
+        "conditions": f"{os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, one `specserve serve`, "
+                      f"sweep {' '.join(GRID)} --num-prompts {args.num_prompts} --max-tokens {args.max_tokens}, "
+                      "run twice",
+        "summary": {"wall_s": [round(wall1, 1), round(wall2, 1)], "under_30_min": max(wall1, wall2) < 1800,
+                    "reproduces": check["all"], "by_key": check["by_key"],
+                    "loadavg_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+                    "errors": [first["errors"], again["errors"]]},
+        "recommendations": [first["recommendations"], again["recommendations"]],
+        "rows": [first["rows"], again["rows"]],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"sweep_{args.device}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"]))
+
+
+if __name__ == "__main__":
+    main()
