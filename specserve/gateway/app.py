@@ -31,16 +31,14 @@ from specserve.gateway.backends import Backend, BackendPool, HealthChecker
 from specserve.gateway.config import FleetConfig, load_fleet
 from specserve.gateway.metrics import GatewayMetrics
 from specserve.gateway.exchange import GATEWAY_LOG_FIELDS
-from specserve.gateway.proxy import Proxy
+from specserve.gateway.proxy import Answer, Proxy
 from specserve.metrics.prometheus import CONTENT_TYPE
 from specserve.rollout.admin import admin_router, check_admin
 from specserve.rollout.policy import RolloutPolicy
 from specserve.rollout.profiles import BASELINE, ProfileSet
 from specserve.rollout.request_log import RequestLog
 from specserve.rollout.runtime import RolloutRuntime
-from specserve.server.errors import (
-    APIError, BodySizeLimitMiddleware, BodyTooLarge, error_response, install_error_handlers,
-)
+from specserve.server.errors import APIError, BodySizeLimitMiddleware, install_error_handlers
 
 logger = logging.getLogger("specserve.gateway")
 HOT_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
@@ -213,31 +211,29 @@ def create_gateway_app(cfg: FleetConfig, *, seed: int | None = None) -> "FrontDo
 
 
 class FrontDoor:
-    """The ASGI app: POST /v1/completions and /v1/chat/completions go straight to the proxy (no
-    middleware stack, routing or parameter parsing on the hot path; errors still OpenAI-shaped);
-    everything else, lifespan included, to the FastAPI app."""
+    """The ASGI app: POST /v1/completions and /v1/chat/completions go straight to `Proxy.serve`, a plain
+    ASGI handler (no middleware stack, routing, parameter parsing or Request/Response objects on the hot
+    path; the body-size limit is checked as the body is read; errors still OpenAI-shaped); everything
+    else, lifespan included, to the FastAPI app (with its own body-size limit middleware)."""
 
     def __init__(self, app: FastAPI, gw: Gateway):
         self.app, self.gw, self.state = app, gw, app.state
-        self._limited = BodySizeLimitMiddleware(self._generate, max_bytes=gw.cfg.max_body_bytes)
+        self._serve = gw.proxy.serve
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] in HOT_PATHS and scope["method"] == "POST":
-            return await self._limited(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST":
+            chat = HOT_PATHS.get(scope["path"])
+            if chat is not None:
+                try:
+                    return await self._serve(scope, receive, send, scope["path"], chat)
+                except Exception as e:  # noqa: BLE001 - never a bare 500 without a body
+                    logger.exception("gateway: unhandled error: %s", e)
+                    # (when the answer had already started, uvicorn refuses this and closes the connection)
+                    with contextlib.suppress(RuntimeError):
+                        await Answer.error(APIError(500, "internal gateway error; the gateway log has the details",
+                                                    code="internal_error")).send(send, [])
+                    return
         return await self.app(scope, receive, send)
-
-    async def _generate(self, scope, receive, send):
-        try:
-            response = await self.gw.proxy.handle(Request(scope, receive), scope["path"], HOT_PATHS[scope["path"]])
-        except APIError as e:
-            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        except BodyTooLarge as e:
-            response = error_response(413, str(e), code="request_too_large")
-        except Exception as e:  # noqa: BLE001 - never a bare 500 without a body
-            logger.exception("gateway: unhandled error: %s", e)
-            response = error_response(500, "internal gateway error; the gateway log has the details",
-                                      code="internal_error")  # nothing internal in the body
-        await response(scope, receive, send)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -251,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("backends: %s; admin API %s", {b.name: f"{b.profile} {b.url}" for b in cfg.backends},
                 "on" if cfg.admin_token else "off (no admin_token / SPECSERVE_ADMIN_TOKEN)")
     # no access log (the gateway's request log names backend, profile and step); no X-Forwarded-* rewriting of
-    # the client address (the gateway uses none), which saves a middleware per request
+    # the client address (the gateway uses none), which saves a middleware per request; no `server` header
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
-                access_log=False, proxy_headers=False)
+                access_log=False, proxy_headers=False, server_header=False)
     return 0

@@ -1,5 +1,7 @@
 """One client request as the gateway saw it (`Exchange`), and its recording: Prometheus series, the
 rollout window's `Outcome` and the request-log line (fields `GATEWAY_LOG_FIELDS`).
+Recording happens once per request, after the answer's last byte was sent (`proxy.py`), so that none
+of it lies on the client's latency path; E2E is measured to that last byte (`Exchange.t_end`).
 What it does not do: forward anything (`proxy.py`).
 """
 
@@ -19,9 +21,10 @@ GATEWAY_LOG_FIELDS = (
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class Exchange:
-    """One client request as the gateway saw it."""
+    """One client request as the gateway saw it. Times are `time.perf_counter()` seconds (`wall`: unix
+    seconds at arrival); `t_end` is set when the answer's last byte went to the client (None before)."""
 
     rid: str
     path: str
@@ -32,8 +35,10 @@ class Exchange:
     reason: str
     step: str | None
     sticky: str | None
+    auth: str | None = None  # the client's Authorization header (forwarded unless the backend has an api_key)
     t0: float = field(default_factory=time.perf_counter)
     wall: float = field(default_factory=time.time)
+    t_end: float | None = None
     attempts: list[str] = field(default_factory=list)
     backend: Backend | None = None
     ttft_s: float | None = None
@@ -46,11 +51,12 @@ class Exchange:
 
 
 def record_exchange(gw: Any, ex: Exchange, status: str, code: int, error: str | None) -> None:
-    """Once per request: Prometheus series, the rollout window's Outcome, the request-log line."""
+    """Once per request: Prometheus series, the rollout window's Outcome, the request-log line. E2E is
+    `ex.t_end - ex.t0` (now, when the answer's end was not marked)."""
     if ex.recorded:
         return
     ex.recorded = True
-    e2e = time.perf_counter() - ex.t0
+    e2e = (ex.t_end if ex.t_end is not None else time.perf_counter()) - ex.t0
     spec = ex.spec or {}
     drafts = int(spec.get("num_drafts") or 0)
     accepted = int(spec.get("num_accepted_tokens") or 0)

@@ -1,12 +1,14 @@
 """Streaming helpers of the gateway: SSE pass-through with measurement, and client-disconnect watching.
 
-`SSERelay` splits a backend's SSE bytes into events, passes each on as soon as it is complete, and
-reads from them what the gateway measures (TTFT = first token-bearing event, usage, the `specserve`
-numbers); only events that can carry something new are parsed. `RelayStream` is the streaming
-response that notices a client's disconnect even while the backend is silent and then closes the
-backend stream. `DisconnectGuard` does the same for a non-streamed request, starting only after
-`WATCH_AFTER_S` so that fast requests pay for no extra task.
-What it does not do: choose backends or retry (`proxy.py`).
+`SSERelay` passes a backend's SSE bytes on as soon as they form complete events and reads from them
+what the gateway measures (TTFT = first token-bearing event, usage, the `specserve` numbers). Fast
+path: once TTFT is known, a chunk that ends on an event boundary and holds neither `"usage"` nor
+`"specserve"` (two substring scans) is passed on as the very same bytes object, unsplit and unparsed;
+otherwise the chunk is split into events and only those that can carry something new are parsed.
+`DisconnectGuard` watches for the client's disconnect and cancels the handler's task when it comes: a
+stream watches from its start (`delay_s=0`), a non-streamed request only after `WATCH_AFTER_S` so that
+fast requests pay for no extra task.
+What it does not do: choose backends, retry or send (`proxy.py`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ import asyncio
 import json
 import re
 import time
-from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from typing import Any, Awaitable, Callable
 
 WATCH_AFTER_S = 0.25  # a non-streamed request starts watching for the client's disconnect after this
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -35,27 +34,41 @@ def _has_token(ev: dict) -> bool:
 
 
 class SSERelay:
-    """Splits a backend's SSE bytes into events, passes them on, and reads TTFT, usage and the
-    `specserve` numbers from them. Drops the usage-only chunk when the client did not ask for usage."""
+    """Passes a backend's SSE bytes on, complete events only, and reads TTFT, usage and the `specserve`
+    numbers from them (into the `Exchange` `ex`). Drops the usage-only chunk when the client did not ask
+    for usage (`drop_usage`). With `ex.capture` (a shadow-check sample) every event is parsed and kept
+    in `ex.events`."""
+
+    __slots__ = ("ex", "drop_usage", "buf")
 
     def __init__(self, ex: Any, drop_usage: bool):
         self.ex = ex
         self.drop_usage = drop_usage
-        self.buf = b""
+        self.buf = b""  # the start of an event whose terminating blank line has not arrived yet
 
     def feed(self, chunk: bytes) -> bytes:
-        self.buf += chunk
+        """The bytes to pass on now for `chunk` (possibly b""; `chunk` itself on the fast path)."""
+        if self.buf:
+            chunk = self.buf + chunk
+            self.buf = b""
+        ex = self.ex
+        if (ex.ttft_s is not None and not ex.capture and chunk.endswith(b"\n\n")
+                and b'"usage"' not in chunk and b'"specserve"' not in chunk):
+            return chunk  # fast path: whole events with nothing to learn from them
         out = []
         pos = 0
-        for m in _EVENT_END.finditer(self.buf):
-            event = self.buf[pos:m.end()]
+        for m in _EVENT_END.finditer(chunk):
+            event = chunk[pos:m.end()]
             pos = m.end()
             if self._observe(event):
                 out.append(event)
-        self.buf = self.buf[pos:]
+        self.buf = chunk[pos:]
+        if len(out) == 1:
+            return out[0]
         return b"".join(out)
 
     def _observe(self, event: bytes) -> bool:
+        """Read what the gateway measures from one event; False when the event is not passed on."""
         data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
         if not data or data == b"[DONE]":
             return True
@@ -84,58 +97,42 @@ class SSERelay:
         return True
 
 
-class RelayStream(StreamingResponse):
-    """StreamingResponse that notices the client's disconnect even while the backend is silent, and
-    always closes the body iterator (which closes the backend connection). The stream is written from
-    the handler's own task; one watcher task waits for the disconnect and cancels it (cheaper than a
-    task group of two per stream)."""
-
-    async def __call__(self, scope, receive, send):
-        task = asyncio.current_task()
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True  # (after the last byte the watcher is cancelled before it runs)
-            task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            await self.stream_response(send)
-        except OSError:  # the client is gone
-            pass
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            task.uncancel()
-        finally:
-            watcher.cancel()
-            await self.body_iterator.aclose()
-
-
 class DisconnectGuard:
-    """After `delay_s`, watch for the client's disconnect and cancel the handler's task when it comes."""
+    """After `delay_s` (0: at once), watch the ASGI `receive` for the client's disconnect and cancel the
+    handler's task (the current one) when it comes. Call `finish()` just before the answer's last byte
+    goes out (from then on a disconnect is the normal end, not a cancellation) and `close()` after."""
 
-    def __init__(self, request: Request, delay_s: float = WATCH_AFTER_S):
-        self.request = request
+    __slots__ = ("receive", "task", "fired", "finished", "watcher", "timer")
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]], delay_s: float = WATCH_AFTER_S):
+        self.receive = receive
         self.task = asyncio.current_task()
         self.fired = False
+        self.finished = False
         self.watcher: asyncio.Task | None = None
-        self.timer = asyncio.get_running_loop().call_later(delay_s, self._start)
+        self.timer: asyncio.TimerHandle | None = None
+        loop = asyncio.get_running_loop()
+        if delay_s > 0:
+            self.timer = loop.call_later(delay_s, self._start)
+        else:
+            self._start()
 
     def _start(self) -> None:
         self.watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
-        while (await self.request.receive())["type"] != "http.disconnect":
+        while (await self.receive())["type"] != "http.disconnect":
             pass
-        self.fired = True
-        self.task.cancel()
+        if not self.finished:
+            self.fired = True
+            self.task.cancel()
+
+    def finish(self) -> None:
+        self.finished = True
 
     def close(self) -> None:
-        self.timer.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         if self.watcher is not None:
             self.watcher.cancel()
 

@@ -24,6 +24,13 @@ def _post(gw, body=None, **kw):
     return HTTP.post(gw.base_url + "/v1/completions", json=body, **kw)
 
 
+def _log_lines(path, n, timeout_s=5.0):
+    """The request log's first `n` lines, waiting for them: the gateway writes a request's line after
+    the answer's last byte went out, so a client can read the log before its own request's line is there."""
+    wait_for(lambda: path.exists() and len(path.read_text().splitlines()) >= n, timeout_s=timeout_s)
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 def _backends(gw):
     return {b["name"]: b for b in HTTP.get(gw.base_url + "/admin/backends", headers=AUTH).json()["backends"]}
 
@@ -53,7 +60,7 @@ def test_retries_on_another_backend_of_the_same_profile(tmp_path):
         for user in ("u1", "u2", "u3", "u4", "u5", "u6"):  # sticky users: some land on b1 first
             r = _post(gw, {"prompt": "x", "max_tokens": 2, "user": user})
             assert r.status_code == 200 and r.headers["x-specserve-backend"] == "b2"
-        lines = [json.loads(x) for x in (tmp_path / "gw.jsonl").read_text().splitlines()]
+        lines = _log_lines(tmp_path / "gw.jsonl", 6)
         assert ["b1", "b2"] in [x["attempts"] for x in lines] and all(x["status"] == "ok" for x in lines)
         states["b2"].fail_status = 503  # every baseline backend fails: the last answer passes through
         r = _post(gw)
@@ -62,7 +69,7 @@ def test_retries_on_another_backend_of_the_same_profile(tmp_path):
         states["b1"].fail_status, states["b2"].fail_status = 500, None  # a 500 is an answer: not retried
         codes = {_post(gw).status_code for _ in range(20)}
         assert codes == {200, 500}
-        lines = [json.loads(x) for x in (tmp_path / "gw.jsonl").read_text().splitlines()]
+        lines = _log_lines(tmp_path / "gw.jsonl", 6 + 1 + 20)
         assert all(x["attempts"] == ["b1"] for x in lines if x["http_status"] == 500)
         states["b1"].fail_status = None
         stubs["b2"].stop()  # connection refused: retried on b1, and b2 is ejected at once (passive check)
@@ -109,7 +116,7 @@ def test_streaming_pass_through_usage_and_disconnect(tmp_path):
             states["b1"].n_chunks = 40
             next(r.iter_raw())
         wait_for(lambda: states["b1"].disconnects == before + 1, timeout_s=3)
-        lines = [json.loads(x) for x in (tmp_path / "gw.jsonl").read_text().splitlines()]
+        lines = _log_lines(tmp_path / "gw.jsonl", 4)
         assert lines[0]["status"] == "ok" and lines[0]["ttft_s"] > 0 and lines[0]["completion_tokens"] == 6
         assert lines[2]["endpoint"] == "chat" and 0 < lines[2]["ttft_s"] < lines[2]["e2e_s"]
         wait_for(lambda: "cancelled" in (tmp_path / "gw.jsonl").read_text(), timeout_s=3)
