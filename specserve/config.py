@@ -269,6 +269,10 @@ class EngineConfig:
             shares a prefix with them prefills only the rest (docs/prefix_caching.md). Exact: the
             reused keys/values are those a full prefill computes. Off: every prompt is prefilled whole.
         prefix_cache_min_tokens: the shortest shared prefix that is reused (default 16, one vLLM block).
+        prefix_cache_recompute_tokens: the last prompt tokens that are prefilled even when cached (>= 1,
+            default 16): the first output token needs the last one's logits, and a tail of several rows
+            keeps the fp32 CPU logprobs bit-identical to a whole-prompt prefill where a one-row tail
+            rounds differently (docs/prefix_caching.md, "Exactness").
     """
 
     model: str
@@ -286,6 +290,7 @@ class EngineConfig:
     cpu_linear: str = "auto"
     enable_prefix_caching: bool = True
     prefix_cache_min_tokens: int = 16
+    prefix_cache_recompute_tokens: int = 16
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -304,5 +309,9 @@ class EngineConfig:
         if (isinstance(self.prefix_cache_min_tokens, bool) or not isinstance(self.prefix_cache_min_tokens, int)
                 or self.prefix_cache_min_tokens < 1):
             raise ConfigError(f"prefix_cache_min_tokens must be a positive integer, got {self.prefix_cache_min_tokens!r}")
+        if (isinstance(self.prefix_cache_recompute_tokens, bool) or not isinstance(self.prefix_cache_recompute_tokens, int)
+                or self.prefix_cache_recompute_tokens < 1):
+            raise ConfigError("prefix_cache_recompute_tokens must be a positive integer, got "
+                              f"{self.prefix_cache_recompute_tokens!r}")
         if self.cpu_linear not in ("auto", "onednn", "torch"):
             raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")

@@ -119,22 +119,26 @@ class KVCache:
         self.lengths[slot] = 0
         return self._take(slot)
 
-    def longest_prefix(self, token_ids: Sequence[int]) -> tuple[int | None, int]:
+    def longest_prefix(self, token_ids: Sequence[int], min_tail: int = 1) -> tuple[int | None, int]:
         """(slot, n): the cached entry sharing the longest prefix with `token_ids` and that prefix's
-        length, capped at len(token_ids) - 1 (the last token is always fed, to produce its logits);
-        (None, 0) when no entry shares a token. Ties go to the most recently used entry. Read-only."""
+        length, capped at len(token_ids) - min_tail (the last `min_tail` tokens are always fed again:
+        at least the last one, to produce its logits); (None, 0) when no entry shares a token or the cap
+        leaves nothing. Ties go to the most recently used entry. Read-only."""
         best, best_n = None, 0
-        cap = len(token_ids) - 1
+        cap = len(token_ids) - max(min_tail, 1)
+        if cap <= 0:
+            return None, 0
         for slot, toks in reversed(self.cached.items()):
             n = min(common_prefix_len(toks, token_ids), cap)
             if n > best_n:
                 best, best_n = slot, n
         return best, best_n
 
-    def allocate_for_prefix(self, token_ids: Sequence[int], min_tokens: int) -> tuple[int, int]:
+    def allocate_for_prefix(self, token_ids: Sequence[int], min_tokens: int, min_tail: int = 1) -> tuple[int, int]:
         """A slot for a new sequence whose first tokens are `token_ids`, reusing a cached prefix.
 
-        Finds the cached entry with the longest common prefix n (< len(token_ids)); when n >= min_tokens
+        Finds the cached entry with the longest common prefix n (<= len(token_ids) - min_tail, see
+        `longest_prefix`); when n >= min_tokens
         the new sequence starts with positions [0, n) already computed: it takes the entry's own slot
         when the entry holds nothing beyond those n tokens (or no other slot is left), else it copies the
         n positions into another slot (`copy_prefix`), so the entry stays cached for later requests.
@@ -150,7 +154,7 @@ class KVCache:
         """
         if min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
-        src, n = self.longest_prefix(token_ids)
+        src, n = self.longest_prefix(token_ids, min_tail)
         if src is None or n < min_tokens:
             return self.allocate(), 0
         if len(self.cached[src]) == n or (not self._free and len(self.cached) == 1):

@@ -95,7 +95,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.target.kv, config.max_num_batched_tokens, self.max_model_len,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   prefix_cache_min_tokens=config.prefix_cache_min_tokens)
+                                   prefix_cache_min_tokens=config.prefix_cache_min_tokens,
+                                   prefix_cache_recompute_tokens=config.prefix_cache_recompute_tokens)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._proposers: dict[Any, Proposer] = {}

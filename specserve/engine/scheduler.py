@@ -35,6 +35,8 @@ class Scheduler:
         budget: tokens per step (`max_num_batched_tokens`).
         enable_prefix_caching: reuse cached prefixes at admission and cache finished requests' tokens.
         prefix_cache_min_tokens: the shortest cached prefix worth reusing (shorter matches are misses).
+        prefix_cache_recompute_tokens: the last prompt tokens that are prefilled even when cached (>= 1;
+            see `EngineConfig.prefix_cache_recompute_tokens`).
         prefix_cache_queries, prefix_cache_hits: prompt tokens of every admitted request, and how many
             of them were found in the prefix cache (counted with prefix caching off too: hits stay 0).
         k_policy: the `KPolicy` that says how many drafts each decoding request wants (default
@@ -42,12 +44,15 @@ class Scheduler:
     """
 
     def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_model_len: int, k_policy: KPolicy | None = None,
-                 enable_prefix_caching: bool = False, prefix_cache_min_tokens: int = 16):
-        if prefix_cache_min_tokens < 1:
-            raise ValueError(f"prefix_cache_min_tokens must be >= 1, got {prefix_cache_min_tokens}")
+                 enable_prefix_caching: bool = False, prefix_cache_min_tokens: int = 16,
+                 prefix_cache_recompute_tokens: int = 16):
+        if prefix_cache_min_tokens < 1 or prefix_cache_recompute_tokens < 1:
+            raise ValueError("prefix_cache_min_tokens and prefix_cache_recompute_tokens must be >= 1, got "
+                             f"{prefix_cache_min_tokens} and {prefix_cache_recompute_tokens}")
         self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_min_tokens = prefix_cache_min_tokens
+        self.prefix_cache_recompute_tokens = prefix_cache_recompute_tokens
         self.prefix_cache_queries = 0  # prompt tokens of admitted requests (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the prefix cache
         self.budget = max_num_batched_tokens
@@ -63,7 +68,8 @@ class Scheduler:
     def admit(self, req: Request) -> None:
         """Move a waiting request to the running batch with a KV slot (its prefill starts next). With
         prefix caching the slot may already hold a prefix of the prompt: `num_computed_tokens` is then
-        that prefix's length (at most the prompt's length - 1, so the prefill still yields logits).
+        that prefix's length (at most the prompt's length - prefix_cache_recompute_tokens, so the
+        prefill still yields logits).
 
         Raises:
             ValueError: `req` is not waiting.
@@ -73,7 +79,8 @@ class Scheduler:
             raise ValueError(f"request {req.request_id!r} is not waiting")
         hit = 0
         if self.enable_prefix_caching:
-            req.slot, hit = self.kv.allocate_for_prefix(req.prompt_token_ids, self.prefix_cache_min_tokens)
+            req.slot, hit = self.kv.allocate_for_prefix(req.prompt_token_ids, self.prefix_cache_min_tokens,
+                                                        self.prefix_cache_recompute_tokens)
         else:
             req.slot = self.kv.allocate()
         req.num_computed_tokens = hit
@@ -176,7 +183,7 @@ class Scheduler:
                     break
                 free -= 1
                 if self.enable_prefix_caching:
-                    hit = self.kv.longest_prefix(req.prompt_token_ids)[1]
+                    hit = self.kv.longest_prefix(req.prompt_token_ids, self.prefix_cache_recompute_tokens)[1]
                     done = hit if hit >= self.prefix_cache_min_tokens else 0
             n = min(req.num_prompt_tokens - done, budget)
             tokens, seqs, budget = tokens + n, seqs + 1, budget - n
