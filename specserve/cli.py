@@ -176,6 +176,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output tokens)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching (vLLM's flag; on by default): a finished request's KV slot "
+                        "keeps its tokens' keys/values and a new prompt sharing a prefix with them prefills "
+                        "only the rest; --no-enable-prefix-caching prefills every prompt whole")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--seed", type=int, default=None,

@@ -264,6 +264,15 @@ class EngineConfig:
             gives the same tokens alone and in any batch), "onednn" (oneDNN with prepacked weights, faster
             on these CPUs, but a row's result depends on the rows beside it; or an error where this torch
             build lacks it), "torch" (F.linear / MKL).
+        enable_prefix_caching: automatic prefix caching (vLLM's flag, on by default): a finished
+            request's KV slot keeps its committed tokens' keys/values, and a new request whose prompt
+            shares a prefix with them prefills only the rest (docs/prefix_caching.md). Exact: the
+            reused keys/values are those a full prefill computes. Off: every prompt is prefilled whole.
+        prefix_cache_min_tokens: the shortest shared prefix that is reused (default 16, one vLLM block).
+        prefix_cache_recompute_tokens: the last prompt tokens that are prefilled even when cached (>= 1,
+            default 16): the first output token needs the last one's logits, and a tail of several rows
+            keeps the fp32 CPU logprobs bit-identical to a whole-prompt prefill where a one-row tail
+            rounds differently (docs/prefix_caching.md, "Exactness").
     """
 
     model: str
@@ -279,6 +288,9 @@ class EngineConfig:
     refresh_step_cost: bool = False
     cpu_threads: int | None = None
     cpu_linear: str = "auto"
+    enable_prefix_caching: bool = True
+    prefix_cache_min_tokens: int = 16
+    prefix_cache_recompute_tokens: int = 16
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -292,5 +304,14 @@ class EngineConfig:
             raise ConfigError("max_model_len must be >= 2")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ConfigError(f"cpu_threads must be a positive integer, got {self.cpu_threads!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if (isinstance(self.prefix_cache_min_tokens, bool) or not isinstance(self.prefix_cache_min_tokens, int)
+                or self.prefix_cache_min_tokens < 1):
+            raise ConfigError(f"prefix_cache_min_tokens must be a positive integer, got {self.prefix_cache_min_tokens!r}")
+        if (isinstance(self.prefix_cache_recompute_tokens, bool) or not isinstance(self.prefix_cache_recompute_tokens, int)
+                or self.prefix_cache_recompute_tokens < 1):
+            raise ConfigError("prefix_cache_recompute_tokens must be a positive integer, got "
+                              f"{self.prefix_cache_recompute_tokens!r}")
         if self.cpu_linear not in ("auto", "onednn", "torch"):
             raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")

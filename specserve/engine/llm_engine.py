@@ -93,7 +93,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.target.config.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
-        self.scheduler = Scheduler(self.target.kv, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.target.kv, config.max_num_batched_tokens, self.max_model_len,
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   prefix_cache_min_tokens=config.prefix_cache_min_tokens,
+                                   prefix_cache_recompute_tokens=config.prefix_cache_recompute_tokens)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._proposers: dict[Any, Proposer] = {}
@@ -105,6 +108,8 @@ class LLMEngine:
             vocab_size=self.target.config.vocab_size,
             tokenizer=self.tokenizer,
             num_target_params=sum(p.numel() for p in self.target.model.parameters()),
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_min_tokens=config.prefix_cache_min_tokens,
         )
         self.prompt_encoder = PromptEncoder(self.tokenizer, vocab_size=self.target.config.vocab_size,
                                             max_model_len=self.max_model_len, model_name=self.model_name,
@@ -301,7 +306,10 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._aborted)
 
     def stats(self) -> dict:
-        """Live gauges: running/waiting requests, KV cache usage (0..1) and tokens held."""
+        """Live gauges: running/waiting requests, KV cache usage (0..1) and tokens held by running
+        requests, free slots (empty or cached), the prefix cache's entries and tokens, and the counters
+        prefix_cache_queries / prefix_cache_hits (prompt tokens admitted / of those found in the prefix
+        cache, since start; vLLM's names)."""
         kv = self.target.kv
         return {
             "num_running": len(self.scheduler.running),
@@ -309,6 +317,10 @@ class LLMEngine:
             "kv_cache_usage": kv.usage,
             "num_kv_tokens": kv.num_used_tokens,
             "num_free_slots": kv.num_free_slots,
+            "num_cached_slots": kv.num_cached_slots,
+            "num_cached_tokens": kv.num_cached_tokens,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
         }
 
     def speculation_stats(self) -> dict:
@@ -434,7 +446,7 @@ class LLMEngine:
     def _finish(self, r: Request) -> None:
         r.status = RequestStatus.FINISHED
         r.finished_time = time.monotonic()
-        self.scheduler.remove(r)
+        self.scheduler.remove(r, cache=r.finish_reason != "error")  # an error leaves nothing to reuse
         if r.spec_config is not None:
             self._proposers[proposer_key(r.spec_config)].finish_request(r.request_id, r.all_token_ids)
             if r.spec_config.adaptive:

@@ -7,6 +7,9 @@ caps (the `propose` callback the engine passes; a policy that decides k from the
 such as the adaptive schedule, drafts through it and cuts the drafts, never above the caps); (4) prompts are prefilled in chunks with the budget the
 decodes and their real drafts left, continuing partial prefills first, then admitting waiting requests
 while KV slots are free; (5) the plan is fixed. Requests join and leave between steps.
+With prefix caching on (docs/prefix_caching.md), a waiting request is admitted into the slot holding
+the longest cached prefix of its prompt (`KVCache.allocate_for_prefix`) and prefills only the rest; a
+finished request's slot keeps its committed tokens' K/V as a cached entry.
 What it does not do: draft (the callback does), run the model, or commit tokens (the engine does).
 """
 
@@ -30,12 +33,28 @@ class Scheduler:
 
     Attributes:
         budget: tokens per step (`max_num_batched_tokens`).
+        enable_prefix_caching: reuse cached prefixes at admission and cache finished requests' tokens.
+        prefix_cache_min_tokens: the shortest cached prefix worth reusing (shorter matches are misses).
+        prefix_cache_recompute_tokens: the last prompt tokens that are prefilled even when cached (>= 1;
+            see `EngineConfig.prefix_cache_recompute_tokens`).
+        prefix_cache_queries, prefix_cache_hits: prompt tokens of every admitted request, and how many
+            of them were found in the prefix cache (counted with prefix caching off too: hits stay 0).
         k_policy: the `KPolicy` that says how many drafts each decoding request wants (default
             `ConfiguredK`); replace it to choose k per request per step.
     """
 
-    def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_model_len: int, k_policy: KPolicy | None = None):
+    def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_model_len: int, k_policy: KPolicy | None = None,
+                 enable_prefix_caching: bool = False, prefix_cache_min_tokens: int = 16,
+                 prefix_cache_recompute_tokens: int = 16):
+        if prefix_cache_min_tokens < 1 or prefix_cache_recompute_tokens < 1:
+            raise ValueError("prefix_cache_min_tokens and prefix_cache_recompute_tokens must be >= 1, got "
+                             f"{prefix_cache_min_tokens} and {prefix_cache_recompute_tokens}")
         self.kv = kv
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_min_tokens = prefix_cache_min_tokens
+        self.prefix_cache_recompute_tokens = prefix_cache_recompute_tokens
+        self.prefix_cache_queries = 0  # prompt tokens of admitted requests (vLLM's prefix_cache_queries)
+        self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the prefix cache
         self.budget = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.k_policy: KPolicy = k_policy or ConfiguredK()
@@ -47,7 +66,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def admit(self, req: Request) -> None:
-        """Move a waiting request to the running batch with a fresh KV slot (its prefill starts next).
+        """Move a waiting request to the running batch with a KV slot (its prefill starts next). With
+        prefix caching the slot may already hold a prefix of the prompt: `num_computed_tokens` is then
+        that prefix's length (at most the prompt's length - prefix_cache_recompute_tokens, so the
+        prefill still yields logits).
 
         Raises:
             ValueError: `req` is not waiting.
@@ -55,19 +77,32 @@ class Scheduler:
         """
         if req not in self.waiting:
             raise ValueError(f"request {req.request_id!r} is not waiting")
-        req.slot = self.kv.allocate()
+        hit = 0
+        if self.enable_prefix_caching:
+            req.slot, hit = self.kv.allocate_for_prefix(req.prompt_token_ids, self.prefix_cache_min_tokens,
+                                                        self.prefix_cache_recompute_tokens)
+        else:
+            req.slot = self.kv.allocate()
+        req.num_computed_tokens = hit
+        self.prefix_cache_queries += req.num_prompt_tokens
+        self.prefix_cache_hits += hit
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out (finished or aborted) and free its KV slot."""
+    def remove(self, req: Request, cache: bool = True) -> None:
+        """Take a request out (finished or aborted) and free its KV slot. With prefix caching on and
+        `cache`, the slot stays as a cached entry of the request's committed tokens: positions below
+        `num_computed_tokens` (and the slot's valid length), never a rejected draft's."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.slot is not None:
-            self.kv.free(req.slot)
+            tokens = None
+            if self.enable_prefix_caching and cache:
+                tokens = req.all_token_ids[: min(req.num_computed_tokens, self.kv.lengths[req.slot])]
+            self.kv.free(req.slot, tokens)
             req.slot = None
 
     def has_work(self) -> bool:
@@ -142,11 +177,15 @@ class Scheduler:
         for req in [r for r in self.running if r.in_prefill] + list(self.waiting):
             if budget <= 0:
                 break
+            done = req.num_computed_tokens
             if req.status is RequestStatus.WAITING:
                 if free <= 0:
                     break
                 free -= 1
-            n = min(req.num_prompt_tokens - req.num_computed_tokens, budget)
+                if self.enable_prefix_caching:
+                    hit = self.kv.longest_prefix(req.prompt_token_ids, self.prefix_cache_recompute_tokens)[1]
+                    done = hit if hit >= self.prefix_cache_min_tokens else 0
+            n = min(req.num_prompt_tokens - done, budget)
             tokens, seqs, budget = tokens + n, seqs + 1, budget - n
         return tokens, seqs
 
@@ -162,6 +201,6 @@ class Scheduler:
         while self.waiting and budget > 0 and self.kv.num_free_slots > 0:
             req = self.waiting[0]
             self.admit(req)
-            out.append(ScheduledRequest.prefill(req, min(req.num_prompt_tokens, budget)))
+            out.append(ScheduledRequest.prefill(req, min(req.num_prompt_tokens - req.num_computed_tokens, budget)))
             budget -= out[-1].num_new_tokens
         return out

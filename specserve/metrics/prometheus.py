@@ -8,6 +8,9 @@ Series (every per-request series is labelled by `profile`):
   specserve:e2e_request_latency_seconds   (histograms, measured in the server from request arrival)
 - specserve:num_requests_running, specserve:num_requests_waiting, specserve:kv_cache_usage_perc (0..1),
   specserve:num_requests_in_flight (server side, includes requests not yet handed to the engine)
+- prefix caching (vLLM's names): specserve:prefix_cache_queries_total (prompt tokens of the requests the
+  engine admitted), specserve:prefix_cache_hits_total (of those, tokens whose K/V came from the prefix
+  cache; docs/prefix_caching.md), taken from the engine's counters at each scrape
 - speculation counters (docs/design.md section 5, names mirroring vLLM's):
   specserve:spec_decode_num_drafts_total, specserve:spec_decode_num_draft_tokens_total,
   specserve:spec_decode_num_accepted_tokens_total, specserve:spec_decode_num_accepted_tokens_per_pos_total{position}
@@ -54,6 +57,13 @@ class ServerMetrics:
         self.running = Gauge("specserve:num_requests_running", "Requests in the engine's running batch", registry=r)
         self.waiting = Gauge("specserve:num_requests_waiting", "Requests waiting for an engine slot", registry=r)
         self.kv_usage = Gauge("specserve:kv_cache_usage_perc", "KV cache usage, 0..1", registry=r)
+        self.prefix_cache_queries = Counter("specserve:prefix_cache_queries",
+                                            "Prompt tokens of admitted requests (prefix cache queries, in tokens)",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("specserve:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache (prefix cache hits, in tokens)",
+                                         registry=r)
+        self._prefix_seen = (0, 0)  # the engine's (queries, hits) already added to the counters
         self.in_flight = Gauge("specserve:num_requests_in_flight", "Engine requests held by the server", registry=r)
         self.step_age = Gauge("specserve:engine_last_step_age_seconds",
                               "Seconds since the engine last finished a step while work is pending (0 when idle)",
@@ -128,6 +138,12 @@ class ServerMetrics:
             self.running.set(stats.get("num_running", 0))
             self.waiting.set(stats.get("num_waiting", 0))
             self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+            q, h = stats.get("prefix_cache_queries"), stats.get("prefix_cache_hits")
+            if q is not None and h is not None:  # the engine's totals since start: add what is new
+                q0, h0 = self._prefix_seen
+                self.prefix_cache_queries.inc(max(q - q0, 0))
+                self.prefix_cache_hits.inc(max(h - h0, 0))
+                self._prefix_seen = (max(q, q0), max(h, h0))
         self.in_flight.set(in_flight)
 
     def set_speculation(self, stats: dict | None, profiles: dict) -> None:

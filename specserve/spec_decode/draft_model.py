@@ -9,6 +9,10 @@ reading the previous argmax there, with one device-to-host copy at the end); sam
 temperature/top-k/top-p/min-p, drawn with the request's uniform u(seed, output position, DRAFT)
 (`specserve.sample.uniforms`), and that q is returned for the rejection sampler (Leviathan et al. 2023).
 A request whose context does not fit the draft's shorter context gets fewer (or no) drafts.
+With the engine's prefix caching on (docs/prefix_caching.md) the draft's cache is a prefix cache too: a
+new request starts in the draft slot holding the longest cached prefix of its tokens, and a finished
+request's draft slot stays cached with the tokens its draft K/V were computed for that equal the
+request's committed tokens (never a rejected draft's).
 What it does not do: verification, or any change to the request.
 """
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import ConfigError, SpeculativeConfig
+from specserve.engine.kv_cache import common_prefix_len
 from specserve.engine.loaded_model import LoadedModel
 from specserve.engine.model_runner import SeqInput
 from specserve.sample.rejection import sample_from
@@ -65,6 +70,8 @@ class DraftModelProposer:
                            "drafting will cost more than it can save", spec_config.model, n_draft / 1e9,
                            context.num_target_params / 1e9)
         self.target_vocab = context.vocab_size
+        self.prefix_caching = context.enable_prefix_caching
+        self.prefix_cache_min_tokens = context.prefix_cache_min_tokens
         self.seqs: dict[str, _DraftSeq] = {}
         self._step_cost = None
 
@@ -77,9 +84,15 @@ class DraftModelProposer:
             self._step_cost = load_or_measure(self.draft, max_tokens=16, max_seqs=min(self.draft.kv.num_slots, 16))
         return self._step_cost
 
-    def _seq(self, request_id: str) -> _DraftSeq:
+    def _seq(self, request_id: str, token_ids: list[int]) -> _DraftSeq:
+        """The request's draft slot; a new one starts with the longest cached prefix of `token_ids` when
+        prefix caching is on."""
         if request_id not in self.seqs:
-            self.seqs[request_id] = _DraftSeq(self.draft.kv.allocate())
+            if self.prefix_caching:
+                slot, n = self.draft.kv.allocate_for_prefix(token_ids, self.prefix_cache_min_tokens)
+                self.seqs[request_id] = _DraftSeq(slot, list(token_ids[:n]))
+            else:
+                self.seqs[request_id] = _DraftSeq(self.draft.kv.allocate())
         return self.seqs[request_id]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -100,7 +113,7 @@ class DraftModelProposer:
             if k <= 0:
                 plans.append((inp, None, 0))
                 continue
-            seq = self._seq(inp.request_id)
+            seq = self._seq(inp.request_id, ids)
             n = 0
             for a, b in zip(seq.cached, ids):
                 if a != b:
@@ -187,8 +200,12 @@ class DraftModelProposer:
         return drafts
 
     def finish_request(self, request_id: str, token_ids) -> None:
-        """Free the request's draft KV slot."""
+        """Free the request's draft KV slot; with prefix caching it stays cached with the draft's tokens
+        up to the first one that differs from the request's committed `token_ids`."""
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
-            self.draft.kv.free(seq.slot)
+            keep = None
+            if self.prefix_caching:
+                keep = seq.cached[: min(common_prefix_len(seq.cached, token_ids), self.draft.kv.lengths[seq.slot])]
+            self.draft.kv.free(seq.slot, keep)
 

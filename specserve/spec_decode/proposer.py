@@ -32,6 +32,8 @@ class ProposerContext:
         vocab_size: the target's vocabulary size (rows of its logits); drafts must be ids below it.
         tokenizer: the target's tokenizer (a draft model must share its vocabulary).
         num_target_params: parameter count of the target (a draft model warns when it is not smaller).
+        enable_prefix_caching, prefix_cache_min_tokens: the engine's prefix caching settings
+            (`EngineConfig`); a draft model applies them to its own KV cache.
     """
 
     device: torch.device
@@ -41,6 +43,8 @@ class ProposerContext:
     vocab_size: int
     tokenizer: Any
     num_target_params: int
+    enable_prefix_caching: bool = False
+    prefix_cache_min_tokens: int = 16
 
 
 @dataclass

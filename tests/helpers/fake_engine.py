@@ -129,7 +129,9 @@ class ToyLM(torch.nn.Module):
 
 
 def fake_engine(*, max_model_len: int = 256, max_num_seqs: int = 8, lm: ToyLM | None = None) -> LLMEngine:
-    """An LLMEngine over ToyLM and ByteTokenizer (fp32, CPU, seed 0)."""
+    """An LLMEngine over ToyLM and ByteTokenizer (fp32, CPU, seed 0), with prefix caching off: ToyLM's
+    per-slot token history stands in for the KV entries, and `KVCache.copy_prefix` copies K/V tensors,
+    not that history (prefix caching is tested on real tiny models, tests/unit/test_prefix_cache.py)."""
     cfg = ModelConfig(family="llama", vocab_size=VOCAB_SIZE, hidden_size=1, intermediate_size=1, num_layers=0,
                       num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-6, rope_theta=1e4,
                       max_position_embeddings=max_model_len, tie_word_embeddings=False, attention_bias=False,
@@ -138,7 +140,7 @@ def fake_engine(*, max_model_len: int = 256, max_num_seqs: int = 8, lm: ToyLM | 
     target = LoadedModel.from_parts(files, cfg, lm or ToyLM(), ByteTokenizer(), dtype=torch.float32,
                                     device=torch.device("cpu"), max_model_len=max_model_len, num_slots=max_num_seqs)
     config = EngineConfig(model=MODEL_NAME, dtype="float32", device="cpu", max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs)
+                          max_num_seqs=max_num_seqs, enable_prefix_caching=False)
     return LLMEngine(config, target=target)
 
 
