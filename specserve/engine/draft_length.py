@@ -13,7 +13,8 @@ for the decoding requests of adaptive configs:
 2. `choose_draft_lengths` picks k per request from the acceptance estimates (with the proposer's own
    confidence), the target's measured step cost (`StepCostModel`) over the whole step (the other
    requests' tokens and the prefill chunks included) and, for a draft model, its own measured forward
-   time per drafted position;
+   time per drafted position; any drafts at all only when they are expected to gain at least MIN_GAIN
+   (5%) over k = 0 for everyone;
 3. free drafts are cut to k; a draft model drafts exactly k.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
@@ -39,6 +40,7 @@ ProposeFn = Callable[[Sequence[tuple[Request, int]]], Sequence[Proposal]]
 
 
 PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to keep learning
+MIN_GAIN = 0.05  # speculate only when the expected gain over k = 0 is at least 5% of the step's token rate
 
 
 class AdaptiveK(ConfiguredK):
@@ -47,7 +49,11 @@ class AdaptiveK(ConfiguredK):
     Args:
         step_cost: the target's measured step cost.
         proposer_of: the proposer of a SpeculativeConfig (to see whether its time grows with k).
-        objective, min_gain: passed to `choose_draft_lengths`.
+        objective, min_gain: passed to `choose_draft_lengths`. `min_gain` (default MIN_GAIN = 0.05) is
+            the margin: drafts are verified only when the chosen ks are expected to beat k = 0 for every
+            request by at least this fraction of the step's tokens per ms (for "fair", of the geometric
+            mean of the per-request rates): acceptance estimates are noisy, and a step that speculates
+            for an expected +2% loses when they are slightly optimistic.
 
     Attributes:
         tracker: the acceptance estimates.
@@ -56,7 +62,7 @@ class AdaptiveK(ConfiguredK):
     """
 
     def __init__(self, step_cost: StepCostModel, proposer_of: Callable[[Any], Proposer], *,
-                 objective: str = "fair", min_gain: float = 0.0):
+                 objective: str = "fair", min_gain: float = MIN_GAIN):
         self.step_cost = step_cost
         self.proposer_of = proposer_of
         self.objective = objective

@@ -1,11 +1,14 @@
 """Acceptance estimates: per-position conditional counts, the prior chain (request -> config ->
 proposer -> the position before), outcomes read from committed tokens (also beyond the verified k),
-and the calibration of the proposers' own confidence."""
+the calibration of the proposers' own confidence, the monotone prior and the request-level shift."""
+
+import math
 
 import pytest
 
 from specserve.spec_decode.acceptance import (
-    DEFAULT_ACCEPTANCE, REQUEST_WEIGHT, AcceptanceTracker, PositionCounts, confidence_bucket,
+    DEFAULT_ACCEPTANCE, REQUEST_SHIFT_WEIGHT, REQUEST_WEIGHT, AcceptanceTracker, PositionCounts, RequestShift,
+    confidence_bucket,
 )
 
 
@@ -101,3 +104,85 @@ def test_confidence_is_calibrated_per_bucket():
     assert confidence_bucket(None, None) is None
     assert confidence_bucket(3, None) == (3, None) and confidence_bucket(7, 1.0) == (5, 4)
     assert confidence_bucket(None, 0.3) == (None, 1) and confidence_bucket(12, 0.99) == (9, 3)
+
+
+def learn_config(t, rid, first_ok_every, n=40, depth=8):
+    """Teach the config's prior with a request whose drafts of `depth` tokens are accepted in full every
+    `first_ok_every`-th time and rejected at position 1 otherwise (conditional acceptance: low at
+    position 1, 1.0 deeper)."""
+    t.add_request(rid, "cfg", "prop")
+    ids = []
+    for i in range(n):
+        draft = list(range(100, 100 + depth))
+        t.add_draft(rid, len(ids), draft)
+        ids += draft + [1] if i % first_ok_every == 0 else [1]
+        t.on_commit(rid, ids)
+    t.finish_request(rid)
+
+
+def test_prior_is_monotone_but_a_request_can_lift_its_own_deep_positions():
+    t = AcceptanceTracker()
+    learn_config(t, "old", first_ok_every=2)  # position 1: ~0.5, positions 2..8: 1.0
+    raw = t.prior("cfg", "prop", 8)
+    assert raw[0] < 0.7 and raw[-1] > 0.9  # the learned curve rises
+    mono = t.monotone_prior("cfg", "prop", 8)
+    assert mono == pytest.approx([raw[0]] * 8)
+    t.add_request("new", "cfg", "prop")
+    est = t.estimates("new", 8)
+    assert all(b <= a + 1e-12 for a, b in zip(est, est[1:]))  # no own evidence: non-increasing
+    assert est[-1] < 0.7
+    # the request's own drafts are accepted in full: its deep positions rise above its first
+    ids = []
+    for i in range(6):
+        draft = list(range(200 + 10 * i, 208 + 10 * i))
+        t.add_draft("new", len(ids), draft)
+        ids += draft + [1] if i % 2 == 0 else [1]
+        t.on_commit("new", ids)
+    est = t.estimates("new", 8)
+    assert est[3] > est[0] + 0.1
+
+
+def test_request_shift_moves_untested_positions_toward_the_request():
+    """A prior learned on text where drafts run long (every position ~0.95); a new request whose drafts
+    are rejected at position 1: after 3 rejections its deep positions, which it never tested, drop too
+    (the request-level shift), not only position 1."""
+    t = AcceptanceTracker()
+    learn_config(t, "summary", first_ok_every=1, n=30)
+    t.add_request("tool", "cfg", "prop")
+    before = t.estimates("tool", 8)
+    assert min(before) > 0.9 and t.request_shift("tool") == 0.0
+    ids = []
+    for _ in range(3):
+        t.add_draft("tool", len(ids), [100, 101, 102, 103])
+        ids += [1]
+        t.on_commit("tool", ids)
+    delta = t.request_shift("tool")
+    p = before[0]
+    rate = (0 + REQUEST_SHIFT_WEIGHT * p) / (3 + REQUEST_SHIFT_WEIGHT)
+    expect = math.log(rate / (1 - rate)) - math.log(p / (1 - p))
+    assert delta == pytest.approx(max(expect, -3.0), abs=0.05)
+    after = t.estimates("tool", 8)
+    assert after[0] < 0.5 and max(after[1:]) < before[1] - 0.2  # positions 2..8 never tested, lowered
+    # and it recovers as quickly when the request's drafts start to be accepted
+    for i in range(6):
+        draft = [300 + i, 400 + i]
+        t.add_draft("tool", len(ids), draft)
+        ids += draft + [1]
+        t.on_commit("tool", ids)
+    assert t.request_shift("tool") > delta + 1.0
+
+
+def test_request_shift_formula():
+    s = RequestShift()
+    assert s.delta() == 0.0
+    for _ in range(3):
+        s.observe(0, 0.7, False)
+    assert s.delta(2.0) == pytest.approx(math.log(0.28 / 0.72) - math.log(0.7 / 0.3))
+    s2 = RequestShift()
+    for _ in range(50):
+        s2.observe(0, 0.5, True)
+    assert s2.delta() == pytest.approx(3.0)  # capped at MAX_CALIBRATION
+    d = RequestShift(decay=0.5)
+    d.observe(0, 1.0, True)
+    d.observe(0, 0.0, False)
+    assert (d.tested, d.accepted, d.predicted) == (1.5, 0.5, 0.5)

@@ -123,3 +123,18 @@ def test_min_gain_guard_and_edge_cases():
     assert choose_draft_lengths([DraftOption([])], cpu_cost).ks == [0]
     with pytest.raises(ValueError):
         choose_draft_lengths(opts, cpu_cost, objective="fastest")
+
+
+def test_margin_speculates_only_for_a_gain_of_min_gain():
+    """k = 1 costs 4% more than a decode: acceptance 0.08 gains 1.08 / 1.04 = +3.8% (below the 5% margin:
+    k = 0), 0.10 gains +5.8% (k = 1); without a margin both speculate. Same for the throughput objective."""
+    from specserve.engine.draft_length import MIN_GAIN
+
+    cost = lambda t, s=1: 100.0 + 4.0 * (t - s)
+    assert MIN_GAIN == 0.05
+    for objective in ("fair", "throughput"):
+        assert choose_draft_lengths([DraftOption([0.08])], cost, objective=objective).ks == [1]
+        assert choose_draft_lengths([DraftOption([0.08])], cost, objective=objective, min_gain=MIN_GAIN).ks == [0]
+        assert choose_draft_lengths([DraftOption([0.10])], cost, objective=objective, min_gain=MIN_GAIN).ks == [1]
+    # the margin is against k = 0 only: once speculating pays, the best k is kept (here the deepest)
+    assert choose_draft_lengths([DraftOption([0.9] * 4)], cost, min_gain=MIN_GAIN).ks == [4]

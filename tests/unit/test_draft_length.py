@@ -101,3 +101,36 @@ def test_hopeless_requests_skip_a_costly_proposer_but_probe():
     assert len(fast.calls) == 20
     ad.finish_request(r)
     assert "s" not in ad._skipped
+
+
+def test_a_prior_from_long_drafts_does_not_keep_a_rejecting_request_speculating():
+    """The CPU's verify-cost shape (1-3 tokens 1.0-1.08x a decode, 4-6 ~1.8x, 7-9 ~2.5x). A first
+    request of the profile accepts every draft (the prior learns ~1.0 at every position); a second one
+    never accepts (tool-call text): after its first step it drafts no deeper than the cheap block of 2,
+    although its deep positions were never tested (the request-level shift), and from its 4th step on
+    it verifies nothing (the margin); drafts keep being recorded, so its estimates keep learning."""
+    from specserve.engine.draft_length import MIN_GAIN
+
+    cpu = StepCostModel(list(range(1, 17)), [100.0 * (1 + 0.75 * ((t - 1) // 3)) + 4.0 * (t - 1) for t in range(1, 17)])
+    cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([7] * 8)
+    ad = AdaptiveK(cpu, lambda c: prop)
+    assert ad.min_gain == MIN_GAIN
+    first = req("a", cfg)
+    ad.add_request(first)
+    for _ in range(10):
+        (p,) = ad.draft([(first, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        commit(ad, first, [7] * (len(p.token_ids) + 1))
+    assert len(p.token_ids) == 8
+    ad.finish_request(first)
+    second = req("b", cfg)
+    ad.add_request(second)
+    ks = []
+    for _ in range(6):
+        (p,) = ad.draft([(second, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        ks.append(len(p.token_ids))
+        commit(ad, second, [4] * (len(p.token_ids) + 1) if p.token_ids else [4])
+    assert ks[0] == 8 and max(ks[1:]) <= 2 and ks[3:] == [0, 0, 0]
+    est = ad.tracker.estimates("b", 8)
+    assert est[0] < 0.1 and all(b <= a for a, b in zip(est, est[1:]))
+    assert len(prop.calls) == 16  # drafted every step (CPU: drafting is free), verified only when it paid
