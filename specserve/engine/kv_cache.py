@@ -34,13 +34,21 @@ class KVCacheFullError(RuntimeError):
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token id sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Length of the longest common prefix of two token id sequences: a binary search over slice
+    comparisons (done in C), O(n log n) element compares in C instead of a Python loop over n."""
+    if type(a) is not type(b) or not isinstance(a, (list, tuple)):
+        a, b = tuple(a), tuple(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class KVCache:
@@ -128,6 +136,7 @@ class KVCache:
         cap = len(token_ids) - max(min_tail, 1)
         if cap <= 0:
             return None, 0
+        token_ids = tuple(token_ids)  # the entries are tuples: compare like with like
         for slot, toks in reversed(self.cached.items()):
             n = min(common_prefix_len(toks, token_ids), cap)
             if n > best_n:

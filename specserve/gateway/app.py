@@ -78,6 +78,7 @@ class Gateway:
                                     allow_override=cfg.allow_profile_override, seed=seed)
         self.metrics = GatewayMetrics([(b.name, b.profile) for b in cfg.backends], names)
         self.pool = BackendPool(cfg.backends, rng=random.Random(seed), on_change=self._backend_changed)
+        self.metrics.watch_in_flight(self.pool.backends)
         self.request_log = RequestLog(cfg.request_log, fields=GATEWAY_LOG_FIELDS)
         self.session: aiohttp.ClientSession | None = None  # forwarding, health checks and shadow replays
         self.rollout = RolloutRuntime(self.policy, state_path=cfg.rollout_state_file, registry=self.metrics.registry,

@@ -2,7 +2,7 @@
 
 Per backend: specserve:gateway_backend_requests_total{backend, profile, status, code} (every attempt,
 retried ones included), specserve:gateway_backend_up{backend, profile} (1 healthy, 0 ejected),
-specserve:gateway_backend_in_flight{backend}, specserve:gateway_backend_latency_seconds{backend}
+specserve:gateway_backend_in_flight{backend} (read at scrape time), specserve:gateway_backend_latency_seconds{backend}
 (attempt latency, to the last byte), specserve:gateway_retries_total{backend} (attempts on that backend
 that failed and were retried elsewhere), specserve:gateway_ejections_total{backend}.
 Per profile (the names the server uses, so dashboards and `specserve bench` read both alike):
@@ -83,8 +83,10 @@ class GatewayMetrics:
     def attempt(self, backend: str, profile: str, status: str, code: int) -> None:
         self.child(self.backend_requests, backend, profile, status, str(code)).inc()
 
-    def busy(self, backend: str, delta: int) -> None:
-        self.child(self.in_flight, backend).inc(delta)
+    def watch_in_flight(self, backends: list[Any]) -> None:
+        """Read each backend's `in_flight` count when /metrics is scraped (nothing per request)."""
+        for b in backends:
+            self.in_flight.labels(backend=b.name).set_function(lambda b=b: b.in_flight)
 
     def finished(self, profile: str, status: str, code: int, e2e_s: float, ttft_s: float | None, prompt_tokens: int,
                  completion_tokens: int) -> None:

@@ -342,10 +342,6 @@ class Proxy:
         except aiohttp.ClientError as e:
             raise _Retry(self._failed_attempt(ex, b, e, 502)) from None
 
-    def _busy(self, b: Backend, delta: int) -> None:
-        b.in_flight += delta
-        self.gw.metrics.busy(b.name, delta)
-
     async def _tries(self, ex: Exchange, receive: Receive, attempt: Any) -> tuple[Backend, Any, float, float]:
         """Run `attempt(b)` on backends of the request's profile until one does not raise _Retry.
         Returns (backend, its result, when its try started, seconds spent waiting on backends); raises
@@ -379,7 +375,7 @@ class Proxy:
 
     async def _read_whole(self, ex: Exchange, b: Backend) -> tuple[aiohttp.ClientResponse, bytes]:
         """One non-streamed try: the whole answer, or _Retry (the client has seen nothing yet)."""
-        self._busy(b, 1)
+        b.in_flight += 1
         try:
             resp = await self._send(ex, b)
             try:
@@ -392,7 +388,7 @@ class Proxy:
             finally:
                 resp.close()  # (a no-op after a whole read; else the connection is dropped, not reused)
         finally:
-            self._busy(b, -1)
+            b.in_flight -= 1
         if resp.status in RETRY_STATUSES:
             raise _Retry(self._failed_attempt(ex, b, None, resp.status), Answer.of_backend(resp, content))
         return resp, content
@@ -464,7 +460,7 @@ class Proxy:
         relay = SSERelay(ex, drop_usage=_gateway_adds_usage(ex.body))
         ctype = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
         status, code, error = "cancelled", 499, "client disconnected"
-        self._busy(b, 1)
+        b.in_flight += 1
         guard = DisconnectGuard(receive, delay_s=0)
         try:
             await send({"type": "http.response.start", "status": 200,
@@ -493,7 +489,7 @@ class Proxy:
             status, code, error = "cancelled", 499, "client disconnected"
         finally:
             guard.close()
-            self._busy(b, -1)
+            b.in_flight -= 1
             if status == "ok":
                 resp.release()  # whole: the connection goes back to the pool
             else:

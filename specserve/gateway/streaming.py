@@ -4,7 +4,8 @@
 what the gateway measures (TTFT = first token-bearing event, usage, the `specserve` numbers). Fast
 path: once TTFT is known, a chunk that ends on an event boundary and holds neither `"usage"` nor
 `"specserve"` (two substring scans) is passed on as the very same bytes object, unsplit and unparsed;
-otherwise the chunk is split into events and only those that can carry something new are parsed.
+otherwise the chunk's event boundaries are found and only the events holding one of those markers
+are read (the rest pass on unread, and the chunk is cut only around a dropped usage chunk).
 `DisconnectGuard` watches for the client's disconnect and cancels the handler's task when it comes: a
 stream watches from its start (`delay_s=0`), a non-streamed request only after `WATCH_AFTER_S` so that
 fast requests pay for no extra task.
@@ -33,6 +34,15 @@ def _has_token(ev: dict) -> bool:
     return False
 
 
+def _next_marker(chunk: bytes, start: int) -> int:
+    """Where the next `"usage"` or `"specserve"` in `chunk` from `start` is (len(chunk) when none)."""
+    u = chunk.find(b'"usage"', start)
+    v = chunk.find(b'"specserve"', start)
+    if u < 0:
+        return v if v >= 0 else len(chunk)
+    return u if v < 0 or u < v else v
+
+
 class SSERelay:
     """Passes a backend's SSE bytes on, complete events only, and reads TTFT, usage and the `specserve`
     numbers from them (into the `Exchange` `ex`). Drops the usage-only chunk when the client did not ask
@@ -52,20 +62,30 @@ class SSERelay:
             chunk = self.buf + chunk
             self.buf = b""
         ex = self.ex
-        if (ex.ttft_s is not None and not ex.capture and chunk.endswith(b"\n\n")
-                and b'"usage"' not in chunk and b'"specserve"' not in chunk):
+        skim = ex.ttft_s is not None and not ex.capture  # only events with a marker need reading
+        if skim and chunk.endswith(b"\n\n") and b'"usage"' not in chunk and b'"specserve"' not in chunk:
             return chunk  # fast path: whole events with nothing to learn from them
-        out = []
+        drop: list[tuple[int, int]] = []  # (start, end) of events not passed on
+        nxt = _next_marker(chunk, 0) if skim else 0
         pos = 0
         for m in _EVENT_END.finditer(chunk):
-            event = chunk[pos:m.end()]
-            pos = m.end()
-            if self._observe(event):
-                out.append(event)
+            start, pos = pos, m.end()
+            if skim and nxt >= pos:
+                continue  # no marker in this event: passed on unread
+            if not self._observe(chunk[start:pos]):
+                drop.append((start, pos))
+            skim = ex.ttft_s is not None and not ex.capture
+            if skim:
+                nxt = _next_marker(chunk, pos)
         self.buf = chunk[pos:]
-        if len(out) == 1:
-            return out[0]
-        return b"".join(out)
+        if not drop:
+            return chunk if pos == len(chunk) else chunk[:pos]
+        parts, last = [], 0
+        for start, end in drop:
+            parts.append(chunk[last:start])
+            last = end
+        parts.append(chunk[last:pos])
+        return b"".join(parts)
 
     def _observe(self, event: bytes) -> bool:
         """Read what the gateway measures from one event; False when the event is not passed on."""

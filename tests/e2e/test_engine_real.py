@@ -97,3 +97,29 @@ def test_code_edit_acceptance_is_real(real_model):
         out = llm.generate([ids], params, speculative_config=cfg)[0].outputs[0]
         assert out.token_ids == base.token_ids
         assert out.mean_acceptance_length > 2.5, (cfg.method, out.mean_acceptance_length)
+
+
+def test_prefix_cache_greedy_equals_uncached(real_model):
+    """Prefix caching (docs/prefix_caching.md) on a real model: repeated chat prompts and a second chat
+    turn that contains the first turn's answer give the same greedy tokens as an engine without the
+    cache (alone, with ngram, in a batch), and most of their prompt tokens come from the cache."""
+    path = str(real_model("smollm2-135m-instruct").path)
+    on = LLM(path, max_model_len=1024, max_num_seqs=4)
+    off = LLM(path, max_model_len=1024, max_num_seqs=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ngram = SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=4)
+    first = [on.engine.encode_chat([{"role": "user", "content": c}]) for c in CHATS[:2] + [EDIT]]
+    answers = [o.outputs[0] for o in off.generate(first, params, speculative_config=None)]
+    turn2 = [on.engine.encode_chat([{"role": "user", "content": c}, {"role": "assistant", "content": a.text},
+                                    {"role": "user", "content": "Say it again, shorter."}])
+             for c, a in zip(CHATS[:2] + [EDIT], answers)]
+    for cfg in (None, ngram):
+        for ids, base in zip(first, answers):
+            assert_greedy_equal(on, ids, on.generate([ids], params, speculative_config=cfg)[0].outputs[0].token_ids,
+                                base.token_ids, msg=f"repeat {cfg}")
+        got = on.generate(turn2, params, speculative_config=cfg)
+        want = off.generate(turn2, params, speculative_config=None)
+        for ids, a, b in zip(turn2, got, want):
+            assert_greedy_equal(on, ids, a.outputs[0].token_ids, b.outputs[0].token_ids, msg=f"turn 2 {cfg}")
+    s = on.engine.stats()
+    assert s["prefix_cache_hits"] > 0.5 * s["prefix_cache_queries"], s

@@ -9,7 +9,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.cli import build_parser
 from specserve.config import ConfigError, EngineConfig, SpeculativeConfig
-from specserve.engine.kv_cache import KVCache, KVCacheFullError
+from specserve.engine.kv_cache import KVCache, KVCacheFullError, common_prefix_len
 from specserve.metrics.prometheus import ServerMetrics
 from tests.helpers.proposers import WrongProposer
 
@@ -33,6 +33,23 @@ def fill(kv, slot, tokens):
 
 
 # ---- the KV cache ---------------------------------------------------------------------------------
+
+
+def test_common_prefix_len_equals_the_plain_loop():
+    import random
+
+    def naive(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 10))]
+        for x, y in ((a, b), (tuple(a), b), (b, tuple(a))):
+            assert common_prefix_len(x, y) == naive(a, b)
 
 
 def test_free_with_tokens_keeps_a_cached_entry_that_counts_as_free():
