@@ -107,6 +107,18 @@ async def _block(session: aiohttp.ClientSession, url: str, rate: float, seconds:
     return {"e2e": [e for e, _ in res], "ttft": [f for _, f in res if f is not None], "lag": lag}
 
 
+def _code_version() -> str:
+    """The commit measured (and whether the work tree differed from it), or why it is unknown."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"unknown ({type(e).__name__})"
+    return head + (" + uncommitted changes" if dirty else "")
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1000, q))
 
@@ -247,6 +259,7 @@ def main() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    load_at_start = round(os.getloadavg()[0], 2)
     runs = []
     for i in range(args.runs):
         res = asyncio.run(run_once(args, args.seed + i))
@@ -265,7 +278,8 @@ def main() -> None:
                           "python": platform.python_version(), "event_loop": loop_impl,
                           "backend": "stub that answers at once (tests/helpers/stub_backend.py --no-record)",
                           "client": "aiohttp.ClientSession, one task per request, in a third process",
-                          "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+                          "time": time.strftime("%Y-%m-%d %H:%M:%S"), "code": _code_version(),
+                          "load_average_1m_at_start": load_at_start, "nice": os.nice(0)},
            "summary": summary(runs), "runs": runs}
     out = Path(args.out) / f"gateway_overhead{'_' + args.tag if args.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
