@@ -177,12 +177,15 @@ def test_drain_ends_running_requests_cleanly(tmp_path):
                 r = cm.__enter__()
                 streams.append((cm, r, r.iter_lines()))
                 next(streams[-1][2])
-            quick = c.stream("POST", "/v1/completions", json={"prompt": "q", "max_tokens": 3, "stream": True})
-            qr = quick.__enter__()
             plain = {}  # a non-streamed request cut by the drain gets a 503 body
             t_plain = threading.Thread(target=lambda: plain.update(r=httpx.post(
                 srv.base_url + "/v1/completions", json={"prompt": "p", "max_tokens": 400}, timeout=30)))
             t_plain.start()
+            assert wait_until(lambda: len(state.generations) == 4)
+            # started last, just before the drain: 10 steps of 20 ms end well inside the 1 s grace, and
+            # not before the drain begins (3 tokens raced the drain's start on a loaded machine)
+            quick = c.stream("POST", "/v1/completions", json={"prompt": "q", "max_tokens": 10, "stream": True})
+            qr = quick.__enter__()
             assert wait_until(lambda: len(state.generations) == 5)
             result = {}
             t = threading.Thread(target=lambda: result.update(srv.drain(grace_s=1.0)))
