@@ -9,13 +9,13 @@ untouched pages cost nothing until written; a slot is zeroed on its first use.
 Prefix caching (docs/prefix_caching.md): a slot given back with `free(slot, token_ids)` keeps its
 keys/values for those tokens as a *cached entry* instead of becoming empty. A slot is then in one of
 three states: in use (a running request's), cached (a finished request's tokens, evictable, kept in
-least-recently-used order) or empty. `allocate_for_prefix(token_ids)` gives a new request the slot
-whose cached tokens share the longest prefix with its prompt (taking that slot when the entry is a
-prefix of the prompt, else copying the shared prefix into another slot with `copy_prefix` so the
-entry stays), and says how many positions are already computed; cached entries are evicted, least
-recently used first, only when no empty slot is left. The caller decides which tokens are cached: the
-engine passes only committed tokens (positions below the request's committed length), never the
-positions a rejected draft wrote.
+least-recently-used order, no entry a prefix of another) or empty. `allocate_for_prefix(token_ids)`
+gives a new request the slot whose cached tokens share the longest prefix with its prompt (taking that
+slot when the entry is a prefix of the prompt or no empty slot is left, else copying the shared prefix
+into an empty slot with `copy_prefix` so the entry stays), and says how many positions are already
+computed; cached entries are evicted, least recently used first, only when no empty slot is left.
+The caller decides which tokens are cached: the engine passes only committed tokens (positions below
+the request's committed length), never the positions a rejected draft wrote.
 
 What it does not do: paging (a slot is one contiguous sequence; two requests never share memory), or
 the attention math (see `specserve.model.attention`).
@@ -107,23 +107,18 @@ class KVCache:
             self._zeroed[slot] = True
         return slot
 
-    def allocate(self, exclude: int | None = None) -> int:
+    def allocate(self) -> int:
         """Take a slot of length 0: an empty one, else the least recently used cached entry's (evicted).
 
-        Args:
-            exclude: a cached slot that must not be evicted (the source of a `copy_prefix`).
-
         Raises:
-            KVCacheFullError: no empty slot and no cached entry (other than `exclude`) to evict.
+            KVCacheFullError: no empty slot and no cached entry to evict.
         """
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((s for s in self.cached if s != exclude), None)
-            if victim is None:
+            if not self.cached:
                 raise KVCacheFullError(f"all {self.num_slots} KV cache slots are in use")
-            del self.cached[victim]
-            slot = victim
+            slot, _ = self.cached.popitem(last=False)
         self.lengths[slot] = 0
         return self._take(slot)
 
@@ -147,11 +142,12 @@ class KVCache:
         """A slot for a new sequence whose first tokens are `token_ids`, reusing a cached prefix.
 
         Finds the cached entry with the longest common prefix n (<= len(token_ids) - min_tail, see
-        `longest_prefix`); when n >= min_tokens
-        the new sequence starts with positions [0, n) already computed: it takes the entry's own slot
-        when the entry holds nothing beyond those n tokens (or no other slot is left), else it copies the
-        n positions into another slot (`copy_prefix`), so the entry stays cached for later requests.
-        Otherwise it gets a plain `allocate()` slot.
+        `longest_prefix`); when n >= min_tokens the new sequence starts with positions [0, n) already
+        computed. It takes the entry's own slot when the entry holds nothing beyond those n tokens, or
+        when no empty slot is left (the entry's positions past n are dropped: evicting another entry
+        instead would lose a whole prefix); otherwise it copies the n positions into an empty slot
+        (`copy_prefix`), so the entry stays cached for later requests. On a miss it gets a plain
+        `allocate()` slot.
 
         Returns:
             (slot, n): the slot, now in use, and how many positions of `token_ids` it already holds (0
@@ -166,11 +162,11 @@ class KVCache:
         src, n = self.longest_prefix(token_ids, min_tail)
         if src is None or n < min_tokens:
             return self.allocate(), 0
-        if len(self.cached[src]) == n or (not self._free and len(self.cached) == 1):
+        if len(self.cached[src]) == n or not self._free:
             del self.cached[src]  # take the entry's slot; its positions past n are dropped
             self.truncate(src, n)
             return src, n
-        dst = self.allocate(exclude=src)
+        dst = self._take(self._free.pop())
         self.copy_prefix(src, dst, n)
         self.cached.move_to_end(src)  # it was just used
         return dst, n
@@ -192,7 +188,10 @@ class KVCache:
         """Give a slot back. Without `token_ids` (or with none) it becomes empty (length 0); with them it
         becomes the most recently used cached entry holding those tokens' K/V at positions
         [0, len(token_ids)) (its length is cut to that). Only pass tokens whose K/V were written for
-        exactly these ids, i.e. committed tokens.
+        exactly these ids, i.e. committed tokens. Entries are kept free of duplicates: a cached entry
+        whose tokens are a prefix of the new one's is dropped (its slot becomes empty), and when an
+        entry already holds the new tokens as its prefix the slot becomes empty instead (and that entry
+        the most recently used).
 
         Raises:
             ValueError: the slot is not in use, or more tokens than the slot's valid length.
@@ -200,9 +199,21 @@ class KVCache:
         if slot in self._free or slot in self.cached:
             raise ValueError(f"KV slot {slot} is already free")
         if token_ids:
-            self.truncate(slot, len(token_ids))
-            self.cached[slot] = tuple(token_ids)
-            return
+            toks = tuple(token_ids)
+            self.truncate(slot, len(toks))
+            covering = None
+            for other, t in list(self.cached.items()):
+                n = common_prefix_len(t, toks)
+                if n == len(t):  # `other` holds nothing the new entry lacks
+                    del self.cached[other]
+                    self.lengths[other] = 0
+                    self._free.append(other)
+                elif n == len(toks):
+                    covering = other
+            if covering is None:
+                self.cached[slot] = toks
+                return
+            self.cached.move_to_end(covering)
         self.truncate(slot, 0)
         self._free.append(slot)
 

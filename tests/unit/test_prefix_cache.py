@@ -108,26 +108,41 @@ def test_lru_eviction_only_when_no_empty_slot_is_left():
     assert list(kv.cached) == [s[1], s[2]]
     assert kv.allocate() == s[1]  # no empty slot: the least recently used entry is evicted
     assert list(kv.cached) == [s[2]]
+    assert kv.allocate() == s[2] and not kv.cached
     with pytest.raises(KVCacheFullError):
-        kv.allocate(exclude=s[2])
+        kv.allocate()
+    kv.free(s[0], [1, 2])  # the slot taken above holds [1, 2]
+    assert list(kv.cached) == [s[0]]
     kv.clear_cached()
-    assert not kv.cached and kv.num_free_slots == 1 and kv.lengths[s[2]] == 0
+    assert not kv.cached and kv.num_free_slots == 1 and kv.lengths[s[0]] == 0
 
 
-def test_copy_evicts_another_entry_and_takes_the_source_when_it_is_the_last_slot():
+def test_copy_only_into_an_empty_slot_else_take_the_source():
     kv = make_kv(slots=2)
     a, b = kv.allocate(), kv.allocate()
     fill(kv, a, [1, 2, 3, 4])
     fill(kv, b, [7, 8])
     kv.free(b, [7, 8])
-    kv.free(a, [1, 2, 3, 4])  # a is the most recently used
+    kv.free(a, [1, 2, 3, 4])
     slot, n = kv.allocate_for_prefix([1, 2, 5], min_tokens=1)
-    assert (slot, n) == (b, 2) and list(kv.cached) == [a]  # b evicted, a's prefix copied into it
-    kv.free(b)
-    c = kv.allocate()  # the empty slot (b) first
-    assert c == b
-    slot, n = kv.allocate_for_prefix([1, 2, 5], min_tokens=1)
-    assert (slot, n) == (a, 2) and not kv.cached  # the only slot left: the entry is taken and cut
+    assert (slot, n) == (a, 2) and list(kv.cached) == [b]  # no empty slot: b's entry is kept, a's cut
+    assert kv.lengths[a] == 2
+
+
+def test_no_duplicate_entries():
+    kv = make_kv(slots=3)
+    a, b, c = kv.allocate(), kv.allocate(), kv.allocate()
+    for slot, toks in ((a, [1, 2, 3]), (b, [1, 2, 3, 4, 5]), (c, [1, 2])):
+        fill(kv, slot, toks)
+    kv.free(a, [1, 2, 3])
+    kv.free(b, [1, 2, 3, 4, 5])  # covers a's entry: a becomes empty
+    assert list(kv.cached) == [b] and kv.lengths[a] == 0 and kv.num_free_slots == 2  # c is in use
+    kv.free(c, [1, 2])  # already covered by b's entry: c becomes empty, b the most recently used
+    assert list(kv.cached) == [b] and kv.lengths[c] == 0
+    d = kv.allocate()
+    fill(kv, d, [1, 2, 3, 4, 5])
+    kv.free(d, [1, 2, 3, 4, 5])  # the same tokens as b: one entry stays
+    assert len(kv.cached) == 1
 
 
 # ---- the engine -----------------------------------------------------------------------------------
