@@ -14,7 +14,7 @@ summary is the worst run. Recorded with the figures: CPU per request of the gate
 this client (from /proc), the machine's CPU use (/proc/stat) and load average per block, and how late
 the client sent its requests against the open-loop schedule (a saturated client shows up there).
 
-    python benchmarks/gateway_overhead.py --out docs/benchmarks     # ~3 minutes per run
+    python benchmarks/gateway_overhead.py --runs 3 --out docs/benchmarks     # ~3 minutes per run
 
 Goal (issue 13): added p50 <= 1 ms and p99 <= 5 ms at 100 requests/s, streamed and not (E2E).
 """
