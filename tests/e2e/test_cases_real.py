@@ -501,7 +501,8 @@ def test_b25_wrong_drafts_roll_back(smol, enc, base, first_right):
         assert_greedy_equal(smol, enc(p), o.token_ids, base[p].token_ids[:24])
         assert o.num_draft_tokens > 0
         assert o.num_accepted_tokens == (o.num_drafts if first_right else 0)
-    assert eng.stats() == kv_before
+    gauges = ("num_running", "num_waiting", "kv_cache_usage", "num_kv_tokens", "num_free_slots")
+    assert {k: eng.stats()[k] for k in gauges} == {k: kv_before[k] for k in gauges}  # the rest: prefix cache counts
     assert gen(smol, [NATURAL], G(24), None)[0].token_ids == base[NATURAL].token_ids[:24]
 
 
