@@ -60,7 +60,9 @@ def test_rollout_over_two_real_specserve_backends(real_model, tmp_path):
         assert gates["shadow"]["verdict"] == "pass" and "identical" in gates["shadow"]["detail"]
         assert gates["min_mean_acceptance_length"]["value"] > 1.0  # real drafts were accepted
         assert set(codes) == {200}
-        lines = [json.loads(x) for x in (tmp_path / "gw.jsonl").read_text().splitlines()]
+        log = tmp_path / "gw.jsonl"  # a request's line is written after its answer's last byte: wait for all
+        wait_for(lambda: len(log.read_text().splitlines()) >= len(codes), timeout_s=10)
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
         assert {x["backend"] for x in lines} == {"smol-base", "smol-ngram"}
         assert any(x["rollout_step"] == "ngram_4@50%" for x in lines)
         r = httpx.post(gw.base_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}, timeout=120)
