@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -97,19 +96,9 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
 
 def vllm_prefix_cache_tokens(url: str) -> tuple[float, float] | None:
     """(queried, hit) prompt tokens of vLLM's prefix cache so far, from its /metrics (None if absent)."""
-    base = url.rstrip("/").removesuffix("/v1")
-    try:
-        text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    except OSError:
-        return None
-    got = {}
-    for line in text.splitlines():
-        for key in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-            if line.startswith(key + "{") or line.startswith(key + " "):
-                got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    if len(got) != 2:
-        return None
-    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+    from specserve.bench.prom import prefix_cache_tokens
+
+    return prefix_cache_tokens(url, "vllm")
 
 
 def run_bench(url: str, profiles: list[str] | None, args, out_dir: Path) -> tuple[dict, list[dict], list[str]]:

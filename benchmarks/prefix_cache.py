@@ -26,34 +26,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_vs_vllm import figures, ratio, run_bench, texts, tree_cpu_seconds  # noqa: E402
 
+from specserve.bench.prom import prefix_cache_tokens  # noqa: E402
 from specserve.bench.server_process import ServerProcess  # noqa: E402
 
 DIRECTION = ("ratios are with / without prefix caching (median over repeats of the per-repeat ratio, both "
              "servers measured in the same repeat): *_ttft_ratio and *_tpot_ratio < 1 and *_tps_ratio > 1 "
              "mean prefix caching is faster")
 SERVERS = {"cache_on": "--enable-prefix-caching", "cache_off": "--no-enable-prefix-caching"}
-
-
-def prefix_cache_tokens(base_url: str) -> tuple[float, float] | None:
-    """(queried, hit) prompt tokens of a specserve server's prefix cache so far, from /metrics."""
-    try:
-        text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    except OSError:
-        return None
-    got = {}
-    for line in text.splitlines():
-        for key in ("specserve:prefix_cache_queries_total", "specserve:prefix_cache_hits_total"):
-            if line.startswith(key + " "):
-                got[key] = float(line.rsplit(" ", 1)[1])
-    if len(got) != 2:
-        return None
-    return got["specserve:prefix_cache_queries_total"], got["specserve:prefix_cache_hits_total"]
 
 
 def one_repeat(args, rep: int, servers: dict[str, ServerProcess], scratch: Path) -> dict:

@@ -101,3 +101,19 @@ def memory_bytes(samples: Samples | None) -> float | None:
     if not samples:
         return None
     return _sum(samples, "process_resident_memory_bytes", None)
+
+
+def prefix_cache_tokens(base_url: str, namespace: str = "specserve") -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens of a server's prefix cache so far, from one synchronous scrape of
+    /metrics: `{namespace}:prefix_cache_queries_total` and `..._hits_total`, summed over label sets
+    ("specserve" or "vllm", which share vLLM's names). None when /metrics or either counter is missing."""
+    try:
+        r = httpx.get(metrics_url(base_url), timeout=10)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    samples = parse(r.text)
+    queries = _sum(samples, f"{namespace}:prefix_cache_queries_total", None)
+    hits = _sum(samples, f"{namespace}:prefix_cache_hits_total", None)
+    return None if queries is None or hits is None else (queries, hits)
