@@ -141,7 +141,8 @@ class AdaptiveK(ConfiguredK):
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=lambda n, c=cost: c.forward_ms(n, n)))
         choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
-                                      num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain)
+                                      num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
+                                      draft_token_ms=self.step_cost.draft_overhead_ms)
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -181,7 +182,8 @@ class AdaptiveK(ConfiguredK):
             return set()
         options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, asks[i][1])) for i in idx]
         pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
-                                   num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective)
+                                   num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective,
+                                   draft_token_ms=self.step_cost.draft_overhead_ms)
         out = set()
         for i, k in zip(idx, pre.ks):
             rid = asks[i][0].request_id

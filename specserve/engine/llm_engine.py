@@ -370,7 +370,13 @@ class LLMEngine:
             raise
         outputs += self._commit(plan, result)
         if self.adaptive is not None:
-            self.adaptive.step_cost.observe_overhead(1000 * (time.perf_counter() - t_step - t_fwd))
+            cm = self.adaptive.step_cost
+            wall_ms = 1000 * (time.perf_counter() - t_step)
+            if self.device.type == "cuda":  # the launch returned at once: the GPU's time sits in verify's copy
+                over = wall_ms - cm.forward_ms(plan.num_tokens, len(plan.scheduled))
+            else:
+                over = wall_ms - 1000 * t_fwd
+            cm.observe_overhead(max(over, 0.0), plan.num_draft_tokens)
         return outputs
 
     def _propose(self, asks: Sequence[tuple[Request, int]]) -> list[Proposal]:

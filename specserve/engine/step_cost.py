@@ -6,9 +6,12 @@ T = 1..16 new tokens (and a sparser grid above), and B sequences of one token ea
 timed `repeats` times in rotating order after a short warm-up (on a CPU by the process's CPU time, on
 CUDA by the wall clock), and the fastest timing kept (`fit`). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
 (piecewise linear between measured points, linear beyond the last) and e(B) the extra cost of B
-sequences over one sequence of the same token count (attention and metadata per sequence). An online
-`overhead_ms` (EMA of the step time outside the forward: proposing, sampling, stop checks) is added by
-`step_ms`. `load_or_measure` caches the measurement as JSON under `$SPECSERVE_HOME/step_cost/`, keyed
+sequences over one sequence of the same token count (attention and metadata per sequence). The step
+time outside the forward (proposing, sampling, stop checks, detokenizing) is fitted online as
+overhead_ms + draft_overhead_ms x (draft tokens verified in the step), and `step_ms` adds it: on a fast
+GPU at 16 concurrent requests the host work that grows with the drafts (more rows to sample and commit)
+can cost more than the forward's own growth. On CUDA the engine derives a step's overhead as its wall
+time minus the modelled forward (the launch returns before the GPU finishes). `load_or_measure` caches the measurement as JSON under `$SPECSERVE_HOME/step_cost/`, keyed
 by model checksum, dtype, device, torch version and threads, and a fingerprint of the model code, so a
 new build of the forward is re-measured; `refresh=True` measures again.
 What it does not do: choose k (see `specserve.spec_decode.adaptive`), or model the context length
@@ -42,8 +45,11 @@ class StepCostModel:
         token_ms: median ms of one forward with T new tokens (one sequence), same length as `tokens`.
         seqs: grid of sequence counts B, ascending, starting at 1.
         seq_extra_ms: ms that B sequences of one token cost over one sequence of B tokens (0.0 at B=1).
-        overhead_ms: step time outside the forward (ms), an EMA the engine updates every step.
+        overhead_ms: step time outside the forward (ms) of a step without drafts, fitted online
+            (`observe_overhead`).
         meta: how and where it was measured (model, dtype, device, threads, context, repeats, time).
+        draft_overhead_ms: extra step time outside the forward per draft token verified (ms), fitted
+            online together with overhead_ms; never negative.
     """
 
     tokens: list[int]
@@ -52,6 +58,10 @@ class StepCostModel:
     seq_extra_ms: list[float] = field(default_factory=lambda: [0.0])
     overhead_ms: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    draft_overhead_ms: float = 0.0
+    # online fit state: steps seen, and weighted means E[d], E[o], E[d*d], E[d*o] (d drafts, o overhead ms)
+    _n: int = field(default=0, repr=False, compare=False)
+    _moments: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0], repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.token_ms):
@@ -79,22 +89,39 @@ class StepCostModel:
         extra = self._interp(self.seqs, self.seq_extra_ms, max(num_seqs, 1)) if num_seqs > 1 else 0.0
         return max(self._interp(self.tokens, self.token_ms, num_tokens) + extra, 0.0)
 
-    def step_ms(self, num_tokens: int, num_seqs: int = 1) -> float:
-        """forward_ms plus the step overhead outside the forward (ms)."""
-        return self.forward_ms(num_tokens, num_seqs) + self.overhead_ms
+    def step_ms(self, num_tokens: int, num_seqs: int = 1, num_draft_tokens: int = 0) -> float:
+        """forward_ms plus the step time outside the forward (ms) for a step that verifies
+        `num_draft_tokens` draft tokens (part of `num_tokens`)."""
+        return self.forward_ms(num_tokens, num_seqs) + self.overhead_ms + self.draft_overhead_ms * num_draft_tokens
 
     def relative(self, num_tokens: int, num_seqs: int = 1) -> float:
         """forward_ms(num_tokens, num_seqs) / forward_ms(num_seqs, num_seqs): the cost of a verify step
         against the plain decode step of the same batch (1.0 = free drafts)."""
         return self.forward_ms(num_tokens, num_seqs) / max(self.forward_ms(num_seqs, num_seqs), 1e-9)
 
-    def observe_overhead(self, ms: float, weight: float = 0.05) -> None:
-        """Fold one step's time outside the forward (ms) into `overhead_ms` (EMA)."""
-        if ms >= 0:
-            self.overhead_ms += weight * (ms - self.overhead_ms)
+    def observe_overhead(self, ms: float, num_draft_tokens: int = 0, weight: float = 0.05) -> None:
+        """Fold one step's time outside the forward (`ms`) and the draft tokens it verified into the fit
+        overhead = overhead_ms + draft_overhead_ms x draft tokens: exponentially weighted least squares
+        (a plain running mean over the first 1/weight steps, then `weight` per step). The slope is
+        refitted only while the draft tokens per step vary (weighted variance >= 1 token^2: a run of
+        identical steps cannot tell base from slope) and is kept >= 0. A negative `ms` is ignored."""
+        if ms < 0:
+            return
+        self._n += 1
+        w = max(weight, 1.0 / self._n)
+        d = float(num_draft_tokens)
+        m = self._moments
+        for i, v in enumerate((d, ms, d * d, d * ms)):
+            m[i] += w * (v - m[i])
+        var = m[2] - m[0] * m[0]
+        if var >= 1.0:
+            self.draft_overhead_ms = max((m[3] - m[0] * m[1]) / var, 0.0)
+        self.overhead_ms = max(m[1] - self.draft_overhead_ms * m[0], 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for online in ("_n", "_moments", "draft_overhead_ms"):
+            d.pop(online)
         d["schema"] = SCHEMA
         return d
 

@@ -185,14 +185,18 @@ class SpeculationCollector:
                                 labels=["model", "num_tokens"])
         extra = GaugeMetricFamily("specserve:step_cost_seq_extra_seconds",
                                   "Measured extra forward time of num_seqs sequences over one", labels=["model", "num_seqs"])
-        over = GaugeMetricFamily("specserve:step_cost_overhead_seconds", "Step time outside the forward (EMA)",
-                                 labels=["model"])
+        over = GaugeMetricFamily("specserve:step_cost_overhead_seconds",
+                                 "Step time outside the forward of a step without drafts (online fit)", labels=["model"])
+        draft_over = GaugeMetricFamily("specserve:step_cost_draft_overhead_seconds",
+                                       "Extra step time outside the forward per verified draft token (online fit)",
+                                       labels=["model"])
         for model, cm in (stats.get("step_cost") or {}).items():
             for t, ms in zip(cm.tokens, cm.token_ms):
                 fwd.add_metric([model, str(t)], ms / 1000)
             for b, ms in zip(cm.seqs, cm.seq_extra_ms):
                 extra.add_metric([model, str(b)], ms / 1000)
             over.add_metric([model], cm.overhead_ms / 1000)
+            draft_over.add_metric([model], cm.draft_overhead_ms / 1000)
         steps = CounterMetricFamily("specserve:spec_decode_adaptive_steps",
                                     "Decode steps in which the adaptive schedule chose k drafts", labels=["profile", "k"])
         est = GaugeMetricFamily("specserve:spec_decode_acceptance_estimate",
@@ -206,4 +210,4 @@ class SpeculationCollector:
                     steps.add_metric([name, str(k)], n)
                 for j, a in enumerate(c["acceptance"], start=1):
                     est.add_metric([name, str(j)], a)
-        yield from (fwd, extra, over, steps, est)
+        yield from (fwd, extra, over, draft_over, steps, est)

@@ -78,6 +78,7 @@ def choose_draft_lengths(
     num_other_seqs: int = 0,
     objective: str = "fair",
     min_gain: float = 0.0,
+    draft_token_ms: float = 0.0,
 ) -> Choice:
     """Choose k for every option (see the module docstring).
 
@@ -90,6 +91,8 @@ def choose_draft_lengths(
         objective: "fair" (sum of log per-request rates) or "throughput" (expected tokens per ms).
         min_gain: speculate only if the objective beats k = 0 for everyone by this relative margin
             (0.02 = 2%), a guard against noisy estimates.
+        draft_token_ms: host time per verified draft token outside the forward (ms; sampling and
+            committing its row), added to the step time (`StepCostModel.draft_overhead_ms`).
 
     Returns:
         Choice; ks[i] in [0, len(options[i].acceptance)].
@@ -124,7 +127,7 @@ def choose_draft_lengths(
     def value(gain_sum: float, cost: float) -> float:
         return gain_sum - seqs * math.log(cost) if fair else (n + gain_sum) / cost
 
-    costs = [step_ms(base_tokens + t, seqs) for t in range(len(incs) + 1)]  # by total drafts
+    costs = [step_ms(base_tokens + t, seqs) + draft_token_ms * t for t in range(len(incs) + 1)]  # by total drafts
     base_cost = costs[0]
     best = Choice([0] * n, value(0.0, base_cost), base_cost, float(n))
     threshold = best.value + (seqs * math.log1p(min_gain) if fair else best.value * min_gain)

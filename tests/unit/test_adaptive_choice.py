@@ -138,3 +138,14 @@ def test_margin_speculates_only_for_a_gain_of_min_gain():
         assert choose_draft_lengths([DraftOption([0.10])], cost, objective=objective, min_gain=MIN_GAIN).ks == [1]
     # the margin is against k = 0 only: once speculating pays, the best k is kept (here the deepest)
     assert choose_draft_lengths([DraftOption([0.9] * 4)], cost, min_gain=MIN_GAIN).ks == [4]
+
+
+def test_host_cost_per_draft_token_shortens_or_removes_drafts():
+    """Free verify tokens (flat forward), acceptance 0.6 per position: without host cost the longest draft
+    wins; at 0.5 ms per draft token on a 2 ms step, k = 2 (expected 1.96 tokens in 3 ms = 0.653 per ms beats
+    k = 1: 1.6 in 2.5 = 0.64, k = 3: 2.176 in 3.5 = 0.622, k = 0: 0.5); at 2 ms per draft token, k = 0."""
+    opts = [DraftOption([0.6] * 6)]
+    flat = lambda t, s: 2.0  # noqa: E731
+    assert choose_draft_lengths(opts, flat, objective="throughput").ks == [6]
+    assert choose_draft_lengths(opts, flat, objective="throughput", draft_token_ms=0.5).ks == [2]
+    assert choose_draft_lengths(opts, flat, objective="throughput", draft_token_ms=2.0).ks == [0]

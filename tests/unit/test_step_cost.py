@@ -40,8 +40,11 @@ def test_interpolation_and_extrapolation():
     assert cm.forward_ms(8, 16) == pytest.approx(cm.forward_ms(8) + 8.0 * 5)  # e(B) extrapolated
     flat = StepCostModel([1, 2], [10.0, 9.0])
     assert flat.forward_ms(10) == pytest.approx(9.0)  # beyond the grid never downwards
-    cm.observe_overhead(10.0, weight=0.5)
-    assert cm.overhead_ms == 5.0 and cm.step_ms(1) == pytest.approx(15.0)
+    cm.observe_overhead(10.0, weight=0.5)  # the first step is the mean so far
+    cm.observe_overhead(20.0, weight=0.5)  # then a running mean while 1/n > weight
+    assert cm.overhead_ms == pytest.approx(15.0) and cm.step_ms(1) == pytest.approx(25.0)
+    cm.observe_overhead(-1.0)
+    assert cm.overhead_ms == pytest.approx(15.0)
     with pytest.raises(ValueError):
         StepCostModel([2, 3], [1.0, 2.0])
     with pytest.raises(ValueError):
@@ -112,3 +115,30 @@ def test_measure_model_on_a_tiny_model_and_cache(tiny_model_dir, tmp_path, monke
         measure_model(target, max_tokens=4, max_seqs=2, repeats=1)
     for s in slots:
         target.kv.free(s)
+
+
+def test_overhead_fit_separates_base_and_per_draft_token_cost():
+    """Steps verifying 0, 8 or 32 drafts with overhead 2 + 0.25 ms per draft (+ noise): the online fit finds
+    base and slope; step_ms adds the slope per draft token; nothing of it is cached."""
+    import random
+
+    rng = random.Random(1)
+    cm = StepCostModel([1, 64], [1.0, 1.5])
+    for i in range(600):
+        d = (0, 8, 32)[i % 3]
+        cm.observe_overhead(2.0 + 0.25 * d + rng.uniform(-0.2, 0.2), d)
+    assert cm.overhead_ms == pytest.approx(2.0, abs=0.15)
+    assert cm.draft_overhead_ms == pytest.approx(0.25, abs=0.02)
+    assert cm.step_ms(33, 1, 32) == pytest.approx(cm.forward_ms(33) + cm.overhead_ms + 32 * cm.draft_overhead_ms)
+    assert "draft_overhead_ms" not in cm.to_dict() and "_moments" not in cm.to_dict()
+    assert StepCostModel.from_dict(cm.to_dict()).draft_overhead_ms == 0.0
+
+
+def test_overhead_fit_needs_varying_drafts_and_keeps_slope_non_negative():
+    cm = StepCostModel([1, 2], [1.0, 1.1])
+    for _ in range(50):  # every step the same drafts: no slope can be told apart from the base
+        cm.observe_overhead(5.0, 16)
+    assert cm.draft_overhead_ms == 0.0 and cm.overhead_ms == pytest.approx(5.0)
+    for i in range(200):  # more drafts, less overhead: noise, not a negative cost
+        cm.observe_overhead(5.0 - 0.01 * (i % 2) * 16, (i % 2) * 16)
+    assert cm.draft_overhead_ms == 0.0
