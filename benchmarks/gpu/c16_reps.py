@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--modes", default="default,gc_freeze", help="comma list of default, gc_freeze")
+    ap.add_argument("--profiles", default=None, help="comma list of profile names (default: all)")
     args = ap.parse_args()
     samples = json.loads(Path(args.prompts).read_text())["samples"]
     res = {"conditions": {"requests": args.requests, "reps": args.reps, "profiles": bg.C16_EXTRA}, "models": {}}
@@ -58,6 +60,8 @@ def main() -> None:
         eng = llm.engine
         cfgs = bg.method_configs(draft or None, {m: bg.METHODS[m] for m in bg.C16_PROFILES})
         cfgs.update(bg.method_configs(draft or None, bg.C16_EXTRA))
+        if args.profiles:
+            cfgs = {n: cfgs[n] for n in args.profiles.split(",") if n in cfgs}
         names = list(cfgs)
 
         def run(n):
@@ -70,12 +74,18 @@ def main() -> None:
                 r = bg.concurrent(llm, samples, c, args.requests)
             finally:
                 gc.callbacks.remove(pauses)
-            return {"tok_s": r["total_tok_s"], "seconds": r["seconds"], "gc_ms": pauses.ms}
+            out = {"tok_s": r["total_tok_s"], "seconds": r["seconds"], "gc_ms": pauses.ms}
+            if c is not None and c.adaptive and eng.adaptive is not None:  # what the schedule chose, cumulative
+                cm = eng.adaptive.step_cost
+                out["adaptive"] = {"chosen_k": list(eng.adaptive.chosen_k.get(c, [])),
+                                   "overhead_ms": round(cm.overhead_ms, 3),
+                                   "draft_overhead_ms": round(cm.draft_overhead_ms, 4)}
+            return out
 
         for n in names:
             run(n)
         out = res["models"][target] = {}
-        for mode in ("default", "gc_freeze"):
+        for mode in args.modes.split(","):
             if mode == "gc_freeze":
                 gc.collect()
                 gc.freeze()

@@ -153,12 +153,19 @@ def test_greedy_speculation_token_identical(tiny_model_dir, tmp_path, dtype, bat
 
 @needs_cuda
 def test_engine_freezes_what_it_loaded(tiny_model_dir):
-    """On CUDA the engine moves its start-up objects out of the cyclic GC's generations (gc.freeze)."""
+    """On CUDA the engine moves its start-up objects out of the cyclic GC's generations (gc.freeze) and
+    collects young objects less often."""
     import gc
 
     from specserve import LLM
+    from specserve.engine.llm_engine import GC_GEN0_THRESHOLD_CUDA
 
     gc.unfreeze()
-    LLM(str(tiny_model_dir), device="cuda", max_model_len=64, max_num_seqs=2)
-    assert gc.get_freeze_count() > 0
-    gc.unfreeze()
+    before = gc.get_threshold()
+    try:
+        LLM(str(tiny_model_dir), device="cuda", max_model_len=64, max_num_seqs=2)
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] >= GC_GEN0_THRESHOLD_CUDA
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
