@@ -16,6 +16,12 @@ for the decoding requests of adaptive configs:
    time per drafted position; any drafts at all only when they are expected to gain at least MIN_GAIN
    (5%) over k = 0 for everyone;
 3. free drafts are cut to k; a draft model drafts exactly k.
+When a step's choice is k = 0 for every adaptive request and deciding it cost a noticeable part of the
+step (its own measured time against REST_SHARE of the plain step: on a fast GPU at 16 concurrent
+requests proposing, tracking and choosing took about as long as the step itself), the next steps are
+plain decodes for the adaptive requests without proposing or choosing, as many as keep that cost
+below REST_SHARE of the time (at most MAX_REST_STEPS); a request that joins the batch ends the rest at
+once. On a CPU, where a step is ~100x the decision, this never rests.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
@@ -41,6 +47,8 @@ ProposeFn = Callable[[Sequence[tuple[Request, int]]], Sequence[Proposal]]
 
 PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to keep learning
 MIN_GAIN = 0.05  # speculate only when the expected gain over k = 0 is at least 5% of the step's token rate
+REST_SHARE = 0.03  # deciding "no drafts" may cost at most ~3% of the time of the steps it covers
+MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
 
 
 class AdaptiveK(ConfiguredK):
@@ -72,6 +80,9 @@ class AdaptiveK(ConfiguredK):
         self.chosen_k: dict[Any, list[int]] = defaultdict(list)
         self.propose_ms: dict[Any, float] = {}  # per proposer key: EMA of the drafting time per request (ms)
         self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
+        self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
+        self.rest_steps = 0  # plain steps left before the next decision
+        self._decided_for: set[str] = set()  # adaptive request ids the last full decision covered
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config."""
@@ -98,10 +109,31 @@ class AdaptiveK(ConfiguredK):
                 num_other_tokens += 1 + min(len(p.token_ids), asks[i][1])
                 num_other_seqs += 1
         idx = [i for i, (r, _) in enumerate(asks) if r.spec_config.adaptive]
-        if idx:
-            for i, p in zip(idx, self._adaptive([asks[i] for i in idx], propose, num_other_tokens, num_other_seqs)):
-                out[i] = p
+        if not idx:
+            return out
+        mine = [asks[i] for i in idx]
+        if self.rest_steps > 0 and all(r.request_id in self._decided_for for r, _ in mine):
+            self.rest_steps -= 1
+            for r, _ in mine:  # a plain decode step for each (out[i] stays empty)
+                self._count_k(r, 0)
+            return out
+        t0 = time.perf_counter()
+        props = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
+        ms = 1000 * (time.perf_counter() - t0)
+        self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
+        self._decided_for = {r.request_id for r, _ in mine}
+        self.rest_steps = 0
+        if not any(p.token_ids for p in props):
+            plain_ms = self.step_cost.step_ms(num_other_tokens + len(mine), num_other_seqs + len(mine))
+            self.rest_steps = min(MAX_REST_STEPS, int(self.decide_ms / max(REST_SHARE * plain_ms, 1e-9)))
+        for i, p in zip(idx, props):
+            out[i] = p
         return out
+
+    def _count_k(self, r: Request, k: int) -> None:
+        counts = self.chosen_k[r.spec_config]
+        counts += [0] * (k + 1 - len(counts))
+        counts[k] += 1
 
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
                   other_seqs: int) -> list[Proposal]:
@@ -148,9 +180,7 @@ class AdaptiveK(ConfiguredK):
         out: list[Proposal] = []
         for i, (r, _cap) in enumerate(asks):
             k = ks.get(i, 0)
-            counts = self.chosen_k[r.spec_config]
-            counts += [0] * (k + 1 - len(counts))
-            counts[k] += 1
+            self._count_k(r, k)
             p = full.get(i)
             if p is None or not k:
                 out.append(Proposal([]))

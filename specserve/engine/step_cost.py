@@ -62,6 +62,7 @@ class StepCostModel:
     # online fit state: steps seen, and weighted means E[d], E[o], E[d*d], E[d*o] (d drafts, o overhead ms)
     _n: int = field(default=0, repr=False, compare=False)
     _moments: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0], repr=False, compare=False)
+    _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False, compare=False)  # forward_ms
 
     def __post_init__(self) -> None:
         if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.token_ms):
@@ -86,8 +87,11 @@ class StepCostModel:
         """Estimated ms of one forward over `num_tokens` new tokens in `num_seqs` sequences (0 tokens: 0)."""
         if num_tokens <= 0:
             return 0.0
-        extra = self._interp(self.seqs, self.seq_extra_ms, max(num_seqs, 1)) if num_seqs > 1 else 0.0
-        return max(self._interp(self.tokens, self.token_ms, num_tokens) + extra, 0.0)
+        ms = self._memo.get((num_tokens, num_seqs))  # the adaptive schedule asks for the same points every step
+        if ms is None:
+            extra = self._interp(self.seqs, self.seq_extra_ms, max(num_seqs, 1)) if num_seqs > 1 else 0.0
+            ms = self._memo[(num_tokens, num_seqs)] = max(self._interp(self.tokens, self.token_ms, num_tokens) + extra, 0.0)
+        return ms
 
     def step_ms(self, num_tokens: int, num_seqs: int = 1, num_draft_tokens: int = 0) -> float:
         """forward_ms plus the step time outside the forward (ms) for a step that verifies
@@ -120,7 +124,7 @@ class StepCostModel:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for online in ("_n", "_moments", "draft_overhead_ms"):
+        for online in ("_n", "_moments", "_memo", "draft_overhead_ms"):
             d.pop(online)
         d["schema"] = SCHEMA
         return d

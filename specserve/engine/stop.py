@@ -24,6 +24,9 @@ from specserve.request import Request
 
 
 def _decode(tokenizer, ids: list[int], skip_special: bool) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: its decode without transformers' wrapper (~3x less per call)
+        return backend.decode(ids, skip_special_tokens=skip_special)
     return tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
 

@@ -6,8 +6,11 @@ residual-add + RMSNorm, the q/k/v projection, RoPE + KV-cache write, attention o
 the output projection, fused add + RMSNorm, the gate/up projection, SwiGLU, the down projection
 (`specserve.model.triton_ops`). No host synchronisation and no shape-dependent host logic inside, so
 one forward per (tokens, sequences) bucket can be captured once and replayed.
-In batch-invariant mode every matmul goes through `invariant_linear` (fixed reduction order), so a
-row's logits are bit-identical whether it is decoded alone or verified in a block.
+In batch-invariant mode every matmul goes through `invariant_linear` (fixed reduction order) and every
+row's attention takes the one-pass kernel (keys in 64-key blocks from position 0, whatever the chunk:
+the split kernel that decode and verify rows take otherwise reduces in another order than a prefill
+chunk does), so a row's logits are bit-identical whether it is decoded alone, verified in a block, or
+prefilled in a chunk of any size over a cached prefix (prefix caching, chunked prefill).
 What it does not do: bucketing, padding, graph capture (`specserve.engine.cuda_graph_runner`) or
 sampling. The CPU path keeps the eager `CausalLM.forward`.
 """
@@ -109,7 +112,8 @@ class FusedForward:
             q = ops.rope_and_cache(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin,
                                    step.positions, step.token_slots, kv.k[i], kv.v[i], qn, kn, eps)
             a = ops.cached_attention(q, kv.k[i], kv.v[i], step.seq_qstart, step.seq_qlen, step.seq_ctx,
-                                     step.seq_slot, step.max_qlen, self.scale, has_short=step.has_short)
+                                     step.seq_slot, step.max_qlen, self.scale, has_short=step.has_short,
+                                     split=0 if self.batch_invariant else None)
             h = self.linear(a, w_o)
             x, res = ops.rms_norm(h, ln2, eps, res)
             h = self.linear(ops.silu_mul(self.linear(x, w_gu)), w_down)

@@ -98,6 +98,21 @@ def proposer_key(config: SpeculativeConfig | None) -> Hashable:
     """
     if config is None:
         return None
+    try:
+        key = _KEYS.get(config)
+    except TypeError:  # an unhashable field value (e.g. a list-valued batch-size table): not cached
+        return _proposer_key(config)
+    if key is None:
+        if len(_KEYS) >= 1024:
+            _KEYS.clear()
+        key = _KEYS[config] = _proposer_key(config)
+    return key
+
+
+_KEYS: dict[SpeculativeConfig, Hashable] = {}  # config -> key: every engine step asks for it per request
+
+
+def _proposer_key(config: SpeculativeConfig) -> Hashable:
     unused = {k for m, keys in _METHOD_KEYS.items() if m != config.method for k in keys}
     items = tuple(
         (f.name, getattr(config, f.name))

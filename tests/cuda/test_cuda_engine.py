@@ -126,6 +126,33 @@ def test_batch_invariant_verify_block_equals_one_token_decodes(tmp_path):
 
 
 @needs_cuda
+def test_batch_invariant_prefill_any_chunking_equals_whole_prompt(tmp_path):
+    """bf16, batch-invariant: the K/V and the last row's logits of a 40-token prompt are bit-identical
+    whether it is prefilled at once, as 24 cached tokens + a 16-token chunk (the prefix cache's
+    recompute), or as 33 + 7 (a short chunked-prefill tail): rows of <= 16 new tokens must not take
+    another attention reduction than a long chunk."""
+    from specserve.engine.cuda_graph_runner import CudaGraphRunner
+    from tests.helpers.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", hidden=256, heads=8, kv_heads=2, layers=3)
+    model, new_kv = _load(path, torch.bfloat16, "cuda", max_len=512)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (300,), generator=g).tolist()
+    for graphs in (True, False):
+        r = CudaGraphRunner(model, new_kv(), torch.device("cuda"), 4, batch_invariant=True, cuda_graphs=graphs)
+        whole, cached, tail = r.kv.allocate(), r.kv.allocate(), r.kv.allocate()
+        ref = r.forward([SeqInput(whole, 0, prompt, 1)]).clone()
+        r.forward([SeqInput(cached, 0, prompt[:284], 0)])
+        got_cached = r.forward([SeqInput(cached, 284, prompt[284:], 1)]).clone()
+        r.forward([SeqInput(tail, 0, prompt[:293], 0)])
+        got_tail = r.forward([SeqInput(tail, 293, prompt[293:], 1)]).clone()
+        assert torch.equal(got_cached, ref) and torch.equal(got_tail, ref), f"graphs={graphs}"
+        for layer in range(model.config.num_layers):
+            assert torch.equal(r.kv.k[layer][cached, :, :300], r.kv.k[layer][whole, :, :300])
+            assert torch.equal(r.kv.v[layer][tail, :, :300], r.kv.v[layer][whole, :, :300])
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype,batch_invariant", [("float32", False), ("bfloat16", True)])
 def test_greedy_speculation_token_identical(tiny_model_dir, tmp_path, dtype, batch_invariant):
     from specserve import LLM, SamplingParams

@@ -87,3 +87,13 @@ def test_block_ending_in_a_split_character_emits_what_is_complete(tokenizer):
     assert "\ufffd" not in r.text
     stop._commit_block(r, ids[cut:], None, tokenizer, (0,), 1000)
     assert r.text.endswith("ab🙂")
+
+
+def test_fast_tokenizer_backend_decode_equals_transformers_decode(tokenizer):
+    """`_decode` calls the tokenizers backend directly; it must equal transformers' decode without clean-up."""
+    rng = random.Random(3)
+    for _ in range(500):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 8))]
+        for skip in (True, False):
+            assert stop._decode(tokenizer, ids, skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)

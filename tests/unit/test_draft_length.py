@@ -134,3 +134,37 @@ def test_a_prior_from_long_drafts_does_not_keep_a_rejecting_request_speculating(
     est = ad.tracker.estimates("b", 8)
     assert est[0] < 0.1 and all(b <= a for a, b in zip(est, est[1:]))
     assert len(prop.calls) == 16  # drafted every step (CPU: drafting is free), verified only when it paid
+
+
+def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
+    """A GPU-like step (1 ms) where drafting costs 0.5 ms per request and nothing is ever accepted: once
+    the choice is k = 0 for everyone, the next steps are plain decodes without proposing or choosing
+    (their number keeps the decision's cost near REST_SHARE of the time, at most MAX_REST_STEPS); a
+    request that joins is decided for at once. On a 1 s step the same decision never rests."""
+    from specserve.engine.draft_length import MAX_REST_STEPS
+
+    gpu = StepCostModel(list(range(1, 17)), [1.0 + 0.001 * t for t in range(16)])
+    cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([9] * 8, delay_ms=0.5)
+    ad = AdaptiveK(gpu, lambda c: prop)
+    r = req("a", cfg)
+    ad.add_request(r)
+    for _ in range(60):  # the target never continues with 9
+        ad.draft([(r, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        commit(ad, r, [4])
+    assert len(prop.calls) < 30 and 0 < ad.rest_steps <= MAX_REST_STEPS
+    assert sum(ad.chosen_k[cfg]) == 60  # every step counted, the plain ones as k = 0
+    joined = req("b", cfg)
+    ad.add_request(joined)
+    n = len(prop.calls)
+    ad.draft([(r, 8), (joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert len(prop.calls) == n + 1 and ("b", 8) in prop.calls[-1]
+    # a CPU-like step (1 s at 16 concurrent on 2 cores): the same decision costs < 1% of it, so every step decides
+    slow = StepCostModel(list(range(1, 17)), [1000.0 + t for t in range(16)])
+    cpu_ad = AdaptiveK(slow, lambda c: prop)
+    r2 = req("c", cfg)
+    cpu_ad.add_request(r2)
+    for _ in range(30):
+        cpu_ad.draft([(r2, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        commit(cpu_ad, r2, [4])
+        assert cpu_ad.rest_steps == 0
