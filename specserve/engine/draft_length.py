@@ -20,8 +20,11 @@ When a step's choice is k = 0 for every adaptive request and deciding it cost a 
 step (its own measured time against REST_SHARE of the plain step: on a fast GPU at 16 concurrent
 requests proposing, tracking and choosing took about as long as the step itself), the next steps are
 plain decodes for the adaptive requests without proposing or choosing, as many as keep that cost
-below REST_SHARE of the time (at most MAX_REST_STEPS); a request that joins the batch ends the rest at
-once. On a CPU, where a step is ~100x the decision, this never rests.
+below REST_SHARE of the time (at most MAX_REST_STEPS, ~80 ms on the H200 at 16 concurrent requests;
+a request that joins meanwhile is decided for when the rest ends). On a CPU, where a step is ~100x the
+decision, this never rests. The decision's own time is reported to the engine (`take_decide_ms`), which
+leaves it out of the step overhead it fits against the draft tokens (the decision happens in the steps
+that may draft, so it would otherwise be priced as a cost of the drafts themselves).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
@@ -82,7 +85,7 @@ class AdaptiveK(ConfiguredK):
         self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.rest_steps = 0  # plain steps left before the next decision
-        self._decided_for: set[str] = set()  # adaptive request ids the last full decision covered
+        self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config."""
@@ -112,7 +115,7 @@ class AdaptiveK(ConfiguredK):
         if not idx:
             return out
         mine = [asks[i] for i in idx]
-        if self.rest_steps > 0 and all(r.request_id in self._decided_for for r, _ in mine):
+        if self.rest_steps > 0:
             self.rest_steps -= 1
             for r, _ in mine:  # a plain decode step for each (out[i] stays empty)
                 self._count_k(r, 0)
@@ -121,7 +124,7 @@ class AdaptiveK(ConfiguredK):
         props = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
         self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
-        self._decided_for = {r.request_id for r, _ in mine}
+        self._decide_ms_step += ms
         self.rest_steps = 0
         if not any(p.token_ids for p in props):
             plain_ms = self.step_cost.step_ms(num_other_tokens + len(mine), num_other_seqs + len(mine))
@@ -129,6 +132,11 @@ class AdaptiveK(ConfiguredK):
         for i, p in zip(idx, props):
             out[i] = p
         return out
+
+    def take_decide_ms(self) -> float:
+        """ms spent deciding (proposing for adaptive requests included) since the last call; resets it."""
+        ms, self._decide_ms_step = self._decide_ms_step, 0.0
+        return ms
 
     def _count_k(self, r: Request, k: int) -> None:
         counts = self.chosen_k[r.spec_config]

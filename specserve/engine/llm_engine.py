@@ -383,7 +383,8 @@ class LLMEngine:
                 over = wall_ms - cm.forward_ms(plan.num_tokens, len(plan.scheduled))
             else:
                 over = wall_ms - 1000 * t_fwd
-            cm.observe_overhead(max(over, 0.0), plan.num_draft_tokens)
+            # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
+            cm.observe_overhead(max(over - self.adaptive.take_decide_ms(), 0.0), plan.num_draft_tokens)
         return outputs
 
     def _propose(self, asks: Sequence[tuple[Request, int]]) -> list[Proposal]:

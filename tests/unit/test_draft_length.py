@@ -140,7 +140,8 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
     """A GPU-like step (1 ms) where drafting costs 0.5 ms per request and nothing is ever accepted: once
     the choice is k = 0 for everyone, the next steps are plain decodes without proposing or choosing
     (their number keeps the decision's cost near REST_SHARE of the time, at most MAX_REST_STEPS); a
-    request that joins is decided for at once. On a 1 s step the same decision never rests."""
+    request that joins is decided for when the rest ends. The decisions' time is handed to the engine
+    once. On a 1 s step the same decision never rests."""
     from specserve.engine.draft_length import MAX_REST_STEPS
 
     gpu = StepCostModel(list(range(1, 17)), [1.0 + 0.001 * t for t in range(16)])
@@ -154,9 +155,13 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
         commit(ad, r, [4])
     assert len(prop.calls) < 30 and 0 < ad.rest_steps <= MAX_REST_STEPS
     assert sum(ad.chosen_k[cfg]) == 60  # every step counted, the plain ones as k = 0
+    assert ad.take_decide_ms() >= 0.5 * len(prop.calls) and ad.take_decide_ms() == 0.0
     joined = req("b", cfg)
     ad.add_request(joined)
     n = len(prop.calls)
+    for _ in range(ad.rest_steps):
+        ad.draft([(r, 8), (joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert len(prop.calls) == n
     ad.draft([(r, 8), (joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
     assert len(prop.calls) == n + 1 and ("b", 8) in prop.calls[-1]
     # a CPU-like step (1 s at 16 concurrent on 2 cores): the same decision costs < 1% of it, so every step decides
