@@ -67,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         """x: [T, heads, head_dim] -> rotated x: x * cos + rotate_half(x) * sin, where rotate_half(x) =
         cat(-x2, x1) = roll(x, half) * sign (bit-identical to the concatenating form)."""
         cos, sin = tables
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+        return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))  # the same ops, two temporaries fewer
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim], positions: [T] -> rotated x (same shape and dtype)."""
