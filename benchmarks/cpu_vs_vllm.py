@@ -264,7 +264,9 @@ def summarize(sections: dict) -> dict:
                                 ratio(s["segments"][seg][metric], w["segments"].get(seg, {}).get(metric)))
                 c = load.replace("=", "")
                 first = sec["repeats"][0]["servers"] if sec["repeats"] and load == "c=1" else None
-                if first:  # repeat 0 at c=1: both servers see these prompts for the first time (no prefix hit)
+                if first and profile == PROFILES[method][0]:
+                    # repeat 0 at c=1: both servers see these prompts for the first time (no prefix hit); not
+                    # for the later profiles of one bench call (suffix runs after ngram: its prompts are cached)
                     s = first["specserve"]["figures"].get(profile, {}).get(load)
                     w = first["vllm"]["figures"].get(vprof, {}).get(load)
                     if s and w:
