@@ -4,10 +4,22 @@ Installs and starts nothing: give it the base URLs of a running specserve server
 server (docs/benchmarks/README.md shows how to start both on one converted model folder). Each repeat
 runs the bench against both servers, alternating which goes first, records the load average and the
 CPU seconds each server's process tree used during each run (found from the URL's port in /proc, or
-given with --*-pid), how many prompt tokens vLLM took from its prefix cache (its /metrics; specserve has
-no prefix cache, and the bench sends the same prompts at c=1, at c=4 and in every repeat), and whether
+given with --*-pid), how many prompt tokens each server took from its prefix cache (their /metrics, which
+share vLLM's counter names; the bench sends the same prompts at c=1, at c=4 and in every repeat), and whether
 the greedy texts are identical. `--section` names a run other than the method's default one (e.g. a vLLM
-server started with --no-enable-prefix-caching). Results go into one JSON file that
+server started with --no-enable-prefix-caching).
+
+Each measured run is one (repeat, concurrency level) against one server: the bench is called once per
+concurrency level. The same prompts come back at every concurrency level and in every repeat (so both
+servers' prefix caches see repeats, as they would in production), but a suffix proposer must not: its
+global tree keeps the outputs of finished requests, and with greedy decoding a tree that has seen a
+prompt's answer drafts the whole answer again (acceptance length 7.4 of a possible 9 on the second
+sight, against 1.3-4.8 on the first, in the run before this fix). So for --method ngram every measured
+run of specserve's suffix profile goes to a new profile (`suffix.r<repeat>c<concurrency>`, the server's
+`suffix` profile's config with its own `suffix_decoding_max_cached_requests`, which only makes it a
+proposer of its own) added through the admin API (`--admin-token`, or SPECSERVE_ADMIN_TOKEN): its tree
+starts empty and sees only that run's warm-up outputs (prompts that are not measured) and the outputs
+of that run's earlier requests. ngram keeps no state across requests. Results go into one JSON file that
 holds one section per `--method` (run it once with the vLLM baseline server and --method baseline,
 once with vLLM's ngram server and --method ngram); its `summary` is recomputed from every section.
 
@@ -16,14 +28,15 @@ below 1 and a tokens/s ratio above 1 mean specserve is ahead.
 
     python benchmarks/cpu_vs_vllm.py --specserve http://127.0.0.1:8001/v1 --vllm http://127.0.0.1:8002/v1 \\
         --method baseline --repeats 2 --out docs/benchmarks/cpu_vs_vllm.json
-    python benchmarks/cpu_vs_vllm.py --specserve http://127.0.0.1:8001/v1 --vllm http://127.0.0.1:8003/v1 \\
-        --method ngram --repeats 2 --out docs/benchmarks/cpu_vs_vllm.json
+    SPECSERVE_ADMIN_TOKEN=... python benchmarks/cpu_vs_vllm.py --specserve http://127.0.0.1:8001/v1 \\
+        --vllm http://127.0.0.1:8003/v1 --method ngram --repeats 2 --out docs/benchmarks/cpu_vs_vllm.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -94,18 +107,52 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
     return sum(stats[p][1] for p in tree if p in stats)
 
 
-def vllm_prefix_cache_tokens(url: str) -> tuple[float, float] | None:
-    """(queried, hit) prompt tokens of vLLM's prefix cache so far, from its /metrics (None if absent)."""
-    from specserve.bench.prom import prefix_cache_tokens
+def prefix_cache_tokens(url: str, server: str) -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens of a server's prefix cache so far, from its /metrics (None if absent);
+    `server` is "specserve" or "vllm" (the metric namespace)."""
+    from specserve.bench.prom import prefix_cache_tokens as scrape
 
-    return prefix_cache_tokens(url, "vllm")
+    return scrape(url, server)
 
 
-def run_bench(url: str, profiles: list[str] | None, args, out_dir: Path) -> tuple[dict, list[dict], list[str]]:
+def fresh_suffix_profile(url: str, token: str | None, name: str) -> str:
+    """Add profile `name` to the specserve server at `url`: the config of its `suffix` profile with a
+    `suffix_decoding_max_cached_requests` no other suffix profile there has, so that the engine gives it a
+    proposer of its own whose global tree is empty (`spec_decode.proposer_key`). Returns `name`.
+
+    Raises:
+        SystemExit: the admin API refused (no or a wrong token, overrides off) or there is no `suffix` profile.
+    """
+    import httpx
+
+    root = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    r = httpx.get(root + "/admin/profiles", headers=headers, timeout=30)
+    if r.status_code != 200:
+        raise SystemExit(f"GET {root}/admin/profiles answered {r.status_code}: start the specserve server with "
+                         "an admin token (SPECSERVE_ADMIN_TOKEN) and pass the same one here (--admin-token)")
+    profiles = r.json()["profiles"]
+    base = (profiles.get("suffix") or {}).get("config")
+    if not base or base.get("method") != "suffix":
+        raise SystemExit(f"the server at {root} has no suffix profile (serve benchmarks/cpu_vs_vllm_profiles.json)")
+    used = {(p.get("effective_config") or {}).get("suffix_decoding_max_cached_requests")
+            for p in profiles.values() if p.get("method") == "suffix"}
+    cached = (profiles["suffix"].get("effective_config") or {}).get("suffix_decoding_max_cached_requests", 10000)
+    while cached in used:  # one fewer cached request (of 10k) changes nothing in a 100-request run
+        cached -= 1
+    r = httpx.post(root + "/admin/profiles", headers=headers, timeout=1800,
+                   json={"name": name, "config": {**base, "suffix_decoding_max_cached_requests": cached}, "weight": 0})
+    if r.status_code != 201:
+        raise SystemExit(f"the server refused profile {name}: HTTP {r.status_code}: {r.text[:300]}")
+    return name
+
+
+def run_bench(url: str, profiles: list[str] | None, concurrency: str, args,
+              out_dir: Path) -> tuple[dict, list[dict], list[str]]:
     """One `specserve bench` run against `url`; returns (summary, request rows, the command)."""
     cmd = [sys.executable, "-m", "specserve.cli", "bench", "--base-url", url, "--dataset", args.dataset,
            "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
-           "--concurrency", args.concurrency, "--warmup", str(args.warmup), "--seed", str(args.seed),
+           "--concurrency", concurrency, "--warmup", str(args.warmup), "--seed", str(args.seed),
            "--output-dir", str(out_dir), "--no-html", "--no-progress"]
     if profiles:
         cmd += ["--profile", *profiles]
@@ -132,30 +179,58 @@ def texts(rows: list[dict]) -> dict:
     return {(r["profile"], r["load"], r["sample_id"]): r.get("text") for r in rows}
 
 
+def _add(a, b):
+    return a + b if a is not None and b is not None else None
+
+
 def one_repeat(args, rep: int, scratch: Path) -> dict:
+    """One repeat: for each concurrency level, the bench against both servers (order alternating by repeat).
+
+    Per server, the figures of its runs are merged ({profile: {load: ...}}), and wall time, CPU seconds and
+    prefix-cache counts summed over them; `runs` keeps each run's own."""
     servers = {"specserve": (args.specserve, PROFILES[args.method]), "vllm": (args.vllm, None)}
     order = ["specserve", "vllm"] if rep % 2 == 0 else ["vllm", "specserve"]
     pids = {"specserve": args.specserve_pid or pid_for_port(urlparse(args.specserve).port),
             "vllm": args.vllm_pid or pid_for_port(urlparse(args.vllm).port)}
     result: dict = {"repeat": rep, "order": order, "servers": {}}
-    all_texts = {}
-    for name in order:
-        url, profiles = servers[name]
-        cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
-        load0, t0 = os.getloadavg(), time.monotonic()
-        pc0 = vllm_prefix_cache_tokens(url) if name == "vllm" else None
-        summary, rows, cmd = run_bench(url, profiles, args, scratch / f"{args.method}-{rep}-{name}")
-        wall = time.monotonic() - t0
-        pc1 = vllm_prefix_cache_tokens(url) if name == "vllm" else None
-        cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
-        cpu = {n: (cpu1[n] - cpu0[n]) if cpu0[n] is not None and cpu1[n] is not None else None for n in pids}
-        result["servers"][name] = {
-            "command": " ".join(cmd[1:]), "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-            "cpu_seconds": cpu, "server_cores": cpu[name] / wall if cpu[name] is not None else None,
-            "figures": figures(summary)}
-        if pc0 is not None and pc1 is not None:  # prompt tokens vLLM took from its prefix cache during this run
-            result["servers"][name]["prefix_cache"] = {"queried_tokens": pc1[0] - pc0[0], "hit_tokens": pc1[1] - pc0[1]}
-        all_texts[name] = texts(rows)
+    all_texts: dict = {"specserve": {}, "vllm": {}}
+    for conc in args.concurrency.split(","):
+        for name in order:
+            url, profiles = servers[name]
+            served = {p: p for p in profiles or []}
+            if name == "specserve" and "suffix" in served:  # a fresh suffix tree for every measured run
+                served["suffix"] = fresh_suffix_profile(url, args.admin_token, f"suffix.r{rep}c{conc}")
+            cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
+            load0, t0 = os.getloadavg(), time.monotonic()
+            pc0 = prefix_cache_tokens(url, name)
+            summary, rows, cmd = run_bench(url, list(served.values()) or None, conc, args,
+                                           scratch / f"{args.method}-{rep}-c{conc}-{name}")
+            wall = time.monotonic() - t0
+            pc1 = prefix_cache_tokens(url, name)
+            cpu1 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
+            cpu = {n: (cpu1[n] - cpu0[n]) if cpu0[n] is not None and cpu1[n] is not None else None for n in pids}
+            back = {v: k for k, v in served.items()}  # served profile name -> the name the summary uses
+            figs = {back.get(p, p): f for p, f in figures(summary).items()}
+            run = {"concurrency": conc, "command": " ".join(cmd[1:]), "wall_s": wall, "loadavg_before": load0,
+                   "loadavg_after": os.getloadavg(), "cpu_seconds": cpu,
+                   "server_cores": cpu[name] / wall if cpu[name] is not None else None,
+                   "served_profiles": served or None}
+            if pc0 is not None and pc1 is not None:  # prompt tokens taken from the server's prefix cache in this run
+                run["prefix_cache"] = {"queried_tokens": pc1[0] - pc0[0], "hit_tokens": pc1[1] - pc0[1]}
+            srv = result["servers"].setdefault(name, {"runs": [], "figures": {}})
+            srv["runs"].append(run)
+            for p, by_load in figs.items():
+                srv["figures"].setdefault(p, {}).update(by_load)
+            all_texts[name].update({(back.get(p, p), load, sid): t for (p, load, sid), t in texts(rows).items()})
+    for name, srv in result["servers"].items():
+        runs = srv["runs"]
+        srv["wall_s"] = sum(r["wall_s"] for r in runs)
+        srv["loadavg_before"], srv["loadavg_after"] = runs[0]["loadavg_before"], runs[-1]["loadavg_after"]
+        srv["cpu_seconds"] = {n: functools.reduce(_add, (r["cpu_seconds"][n] for r in runs)) for n in pids}
+        own = srv["cpu_seconds"][name]
+        srv["server_cores"] = own / srv["wall_s"] if own is not None else None
+        if all("prefix_cache" in r for r in runs):
+            srv["prefix_cache"] = {k: sum(r["prefix_cache"][k] for r in runs) for k in ("queried_tokens", "hit_tokens")}
     # greedy texts: every specserve profile against vLLM, request by request
     v = {(load, sid): t for (_, load, sid), t in all_texts["vllm"].items()}
     same = [t == v.get((load, sid)) for (_, load, sid), t in all_texts["specserve"].items()]
@@ -188,12 +263,24 @@ def summarize(sections: dict) -> dict:
                             per.setdefault(f"{seg}_{key}_ratio", []).append(
                                 ratio(s["segments"][seg][metric], w["segments"].get(seg, {}).get(metric)))
                 c = load.replace("=", "")
+                first = sec["repeats"][0]["servers"] if sec["repeats"] and load == "c=1" else None
+                if first and profile == PROFILES[method][0]:
+                    # repeat 0 at c=1: both servers see these prompts for the first time (no prefix hit); not
+                    # for the later profiles of one bench call (suffix runs after ngram: its prompts are cached)
+                    s = first["specserve"]["figures"].get(profile, {}).get(load)
+                    w = first["vllm"]["figures"].get(vprof, {}).get(load)
+                    if s and w:
+                        out[f"{name}_c1_first_sight_ttft_ratio"] = ratio(s["overall"]["ttft_ms_mean"],
+                                                                        w["overall"]["ttft_ms_mean"])
+                        for seg in s["segments"]:
+                            out[f"{name}_c1_first_sight_{seg}_ttft_ratio"] = ratio(
+                                s["segments"][seg]["ttft_ms_mean"], w["segments"].get(seg, {}).get("ttft_ms_mean"))
                 for k, vals in per.items():
                     vals = [x for x in vals if x is not None]
                     if vals:
                         out[f"{name}_{c}_{k}"] = statistics.median(vals)
         reps = sec["repeats"]
-        hits = [r["servers"]["vllm"].get("prefix_cache") for r in reps]
+        share = lambda h: round(h["hit_tokens"] / h["queried_tokens"], 3) if h and h["queried_tokens"] else None  # noqa: E731
         out.setdefault("conditions", {})[section] = {
             "repeats": len(reps),
             "loadavg_1min": [round(r["servers"][n]["loadavg_before"][0], 2) for r in reps for n in r["order"]],
@@ -207,8 +294,9 @@ def summarize(sections: dict) -> dict:
                     if r["servers"][o]["cpu_seconds"][n] is not None]
                 for n, o in (("specserve", "vllm"), ("vllm", "specserve"))},
             "greedy_identical": [sum(r["greedy_identical"][0] for r in reps), sum(r["greedy_identical"][1] for r in reps)],
-            "vllm_prefix_cache_hit_share": [round(h["hit_tokens"] / h["queried_tokens"], 3) if h and h["queried_tokens"]
-                                            else None for h in hits],
+            "prefix_cache_hit_share": {n: [share(r["servers"][n].get("prefix_cache")) for r in reps]
+                                       for n in ("specserve", "vllm")},
+            "runs": sec.get("runs"),
             "vllm_server": sec.get("vllm_server"), "specserve_server": sec.get("specserve_server")}
     return out
 
@@ -226,6 +314,9 @@ def main() -> None:
                          "baseline_no_prefix_cache for a vLLM server started with --no-enable-prefix-caching")
     ap.add_argument("--specserve-pid", type=int, help="server pid (default: found from the URL's port)")
     ap.add_argument("--vllm-pid", type=int, help="server pid (default: found from the URL's port)")
+    ap.add_argument("--admin-token", default=os.environ.get("SPECSERVE_ADMIN_TOKEN"),
+                    help="the specserve server's admin token (default: env SPECSERVE_ADMIN_TOKEN); --method ngram "
+                         "adds a fresh suffix profile through the admin API for every measured run")
     ap.add_argument("--dataset", default="code,edit,chat")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -255,7 +346,12 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "bench": {k: getattr(args, k) for k in ("dataset", "num_prompts", "max_tokens", "concurrency", "warmup", "seed")},
-        "specserve_profiles": PROFILES[args.method], "vllm_server": args.describe_vllm,
+        "specserve_profiles": PROFILES[args.method],
+        "runs": "one bench call per (repeat, concurrency level, server); the same prompts at every level and in "
+                "every repeat (prefix caches see repeats); " + (
+                    "specserve's suffix profile: a new profile with an empty global tree for every measured run"
+                    if "suffix" in PROFILES[args.method] else "no cross-request proposer state"),
+        "vllm_server": args.describe_vllm,
         "specserve_server": args.describe_specserve, "repeats": reps}
     data = {"benchmark": "cpu_vs_vllm", "direction": DIRECTION, "summary": summarize(sections), "sections": sections}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -81,8 +81,9 @@ def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
                    help="threads of the CPU forward, sampler and verifier (default: OMP_NUM_THREADS if set, "
                         "else every CPU this process may run on)")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
-                   help="CPU linear layers: auto/torch = F.linear (MKL); onednn = prepacked oneDNN weights, "
-                        "faster, but seeded sampling may then differ between a request alone and in a batch")
+                   help="CPU linear layers: auto = prepacked oneDNN weights for float32 (faster here, a row's "
+                        "result the same alone and in a batch), else F.linear; onednn = oneDNN or an error; "
+                        "torch = F.linear (MKL)")
 
 
 # ---- generate -------------------------------------------------------------------------------------------

@@ -260,10 +260,11 @@ class EngineConfig:
             measurement (the adaptive schedule needs it; `specserve.engine.step_cost`).
         cpu_threads: threads of the CPU forward, sampler and verifier; None = OMP_NUM_THREADS if set,
             else every CPU the process may run on (`specserve.engine.cpu_threads`). CPU device only.
-        cpu_linear: how linear layers run on the CPU: "auto" (F.linear / MKL, so that seeded sampling
-            gives the same tokens alone and in any batch), "onednn" (oneDNN with prepacked weights, faster
-            on these CPUs, but a row's result depends on the rows beside it; or an error where this torch
-            build lacks it), "torch" (F.linear / MKL).
+        cpu_linear: how linear layers run on the CPU: "auto" (oneDNN with prepacked weights for float32
+            where this torch build has it, else F.linear / MKL), "onednn" (oneDNN, or an error where this
+            torch build lacks it), "torch" (F.linear / MKL). In float32 oneDNN gives a row the same
+            result alone and in any batch (`specserve.model.cpu_linear`), so seeded sampling is batch
+            invariant; its bfloat16 kernels are not, so "auto" keeps F.linear there.
         enable_prefix_caching: automatic prefix caching (vLLM's flag, on by default): a finished
             request's KV slot keeps its committed tokens' keys/values, and a new request whose prompt
             shares a prefix with them prefills only the rest (docs/prefix_caching.md). Exact: the

@@ -10,13 +10,26 @@ What it does: `pack_linear_weights(model)` replaces every `nn.Linear` of a loade
 output projection, `CausalLM.lm_head`, also when it is tied to the embeddings) by a `PackedLinear` that
 holds the oneDNN-packed weight, after checking on the first layer that the packed kernel agrees with
 `F.linear`. Where oneDNN is missing or disagrees, the model keeps `F.linear` (logged once).
+
+Row independence (batch invariance): a row's result must not depend on the rows beside it, or a seeded
+sampled request draws different tokens alone and in a batch. oneDNN computes a call of 2 or more rows
+with one kernel whose per-row summation order does not depend on the row count (checked for 2-64 rows
+and 1-8 threads on every projection shape of smollm2-135m, qwen2.5-coder-0.5b and 1.5b), but a one-row
+call of some shapes (the down projection of all three; q/k/v and o of the 1.5b) takes another kernel
+that sums in another order (about 1e-6 apart). So a `PackedLinear` whose one-row kernel differs from
+its two-row kernel (tested once, on random rows, when it is packed) computes a lone row as the first of
+two identical rows: the same kernel and summation order as in any batch (docs/cpu_performance.md).
 What it does not do: anything on CUDA, quantized weights, or float16 (oneDNN packs fp32 and bf16).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,6 +46,8 @@ class PackedLinear(nn.Module):
     Attributes:
         weight: the packed weight, an `nn.Parameter` holding an opaque oneDNN (`torch._mkldnn`) tensor:
             it counts in `parameters()` (numel, dtype) but has no strided storage to view or index.
+        pad_one_row: a one-row input is computed as two identical rows (row 0 returned), because this
+            shape's one-row kernel rounds differently from its batched one (module docstring).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -42,16 +57,35 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+        self.pad_one_row = False
+        self.pad_one_row = not self._one_row_matches_batched()
+
+    def _one_row_matches_batched(self, trials: int = 3) -> bool:
+        """Whether a one-row call gives bit for bit the first row of a two-row call, on random rows."""
+        gen = torch.Generator().manual_seed(1234)
+        with torch.inference_mode():
+            for _ in range(trials):
+                x = torch.randn(2, self.in_features, generator=gen).to(self.weight.dtype)
+                if not torch.equal(self._linear(x[:1]), self._linear(x)[:1]):
+                    return False
+        return True
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        """x: [..., in_features] -> [..., out_features]; a lone row is computed as in a batch."""
+        if self.pad_one_row and x.numel() == self.in_features:
+            return self._linear(x.reshape(1, -1).expand(2, -1).contiguous())[:1].reshape(*x.shape[:-1], -1)
+        return self._linear(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"oneDNN{', one row padded to two' if self.pad_one_row else ''}")
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -78,11 +112,11 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
 
     Args:
         model: a loaded `CausalLM` on the CPU (projections already fused).
-        choice: "auto" (today: torch, see below), "onednn" (oneDNN or an error), "torch" (leave
-            F.linear / MKL). "auto" does not pick oneDNN because its result for a row depends on how many
-            rows share the call: a seeded sampled request then draws different tokens alone and in a
-            batch or a verify block (docs/cpu_performance.md, "Open problem"), which the README
-            guarantees it does not.
+        choice: "auto" (oneDNN for float32 weights where this torch build has it, else F.linear, logged),
+            "onednn" (oneDNN or an error), "torch" (leave F.linear / MKL). "auto" keeps F.linear for
+            bfloat16: oneDNN's bf16 kernels round a row differently depending on the rows beside it
+            (a `PackedLinear` pads only fp32's one-row case), so seeded sampling would not be batch
+            invariant there.
 
     Returns:
         the backend in use: "onednn" or "torch".
@@ -93,9 +127,11 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
     """
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu linear backend must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {choice!r}")
-    if choice in ("torch", "auto"):
+    if choice == "torch":
         return "torch"
     dtype = next(model.parameters()).dtype
+    if choice == "auto" and dtype != torch.float32:
+        return "torch"
     linears = [(parent, name) for parent in model.modules() for name, mod in parent.named_children()
                if isinstance(mod, nn.Linear)]
     reason = None
@@ -107,6 +143,9 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
             reason = "oneDNN's packed linear disagrees with F.linear on a test input"
         del first
     if reason is not None:
+        if choice == "auto":
+            logger.warning("CPU linear layers stay on F.linear (MKL): %s", reason)
+            return "torch"
         raise RuntimeError(reason)
     for parent, name in linears:  # one at a time, so that each old weight is freed as its copy is made
         setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))

@@ -29,8 +29,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one kernel, bit-identical to the lines below in float32
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            # the lines below, bit for bit, with two temporaries fewer: on the CPU F.rms_norm runs the same
+            # ops but copies its input twice (a 300-row prompt chunk: 1.0-3.8 ms against 0.2 ms, 1-2 threads)
+            r = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+            return (x * r).mul_(self.weight)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -65,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         """x: [T, heads, head_dim] -> rotated x: x * cos + rotate_half(x) * sin, where rotate_half(x) =
         cat(-x2, x1) = roll(x, half) * sign (bit-identical to the concatenating form)."""
         cos, sin = tables
-        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+        return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))  # the same ops, two temporaries fewer
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim], positions: [T] -> rotated x (same shape and dtype)."""
@@ -148,7 +150,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, intermediate] temporary fewer
 
 
 class DecoderLayer(nn.Module):
@@ -162,8 +164,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope_tables, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope_tables, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # residual adds into the fresh sublayer outputs (a + b == b + a bit for bit): no new [T, hidden] tensors
+        x = self.self_attn(self.input_layernorm(x), rope_tables, k_cache, v_cache, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class Backbone(nn.Module):
