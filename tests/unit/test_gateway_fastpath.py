@@ -117,3 +117,18 @@ def test_body_limit_413_while_the_body_streams_in(tmp_path):
         # the other routes keep their limit too
         r = HTTP.post(gw.base_url + "/admin/weights", content=b" " * 2000)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_gateway_import_loads_no_numpy_or_httpx():
+    """The gateway serves with aiohttp and its own code: importing it (and the CLI) loads neither numpy
+    (the rollout gates import it at their first evaluation) nor httpx (the benchmark tools' client)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, specserve.cli, specserve.gateway.app, specserve.gateway.proxy; "
+            "print(sorted(m for m in ('numpy', 'httpx', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
