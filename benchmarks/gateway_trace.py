@@ -78,7 +78,7 @@ async def run(args) -> dict:
     fleet = tmp / "fleet.yaml"
     fleet.write_text(f'backends: [{{name: stub, url: "http://127.0.0.1:{stub_port}", profile: baseline}}]\n'
                      "health: {interval_s: 2}\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     agent = str(Path(__file__).resolve().parent / "gateway_trace_agent.py")
     stub = subprocess.Popen([sys.executable, agent, "stub", "--port", str(stub_port), "--n-chunks", str(args.chunks),
                              "--no-record", *args.stub_args], cwd=ROOT, env={**env, "TRACE_OUT": str(tmp / "stub.json")},
