@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -171,6 +172,8 @@ async def run_once(args, seed: int) -> dict:
         _wait_up(f"http://127.0.0.1:{gw_port}/health")
         rng = random.Random(seed)
         loads = [os.getloadavg()[0]]
+        gc.collect()
+        gc.freeze()  # the client's start-up heap (numpy, httpx, aiohttp) out of the collector's full passes
         # keep-alive shorter than the servers' 5 s, so an idle connection is never reused as the server closes it
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30),

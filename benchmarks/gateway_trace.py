@@ -93,7 +93,8 @@ async def run(args) -> dict:
         GO._wait_up(f"http://127.0.0.1:{gw_port}/health")
         rng = random.Random(args.seed)
         AG.install_gc_trace(C["gc"])
-        if args.client_freeze:
+        if not args.no_client_freeze:  # as gateway_overhead.py does
+            gc.collect()
             gc.freeze()
         lag = asyncio.get_running_loop().create_task(AG.lag_monitor(C["lag"]))
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
@@ -238,7 +239,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--client-freeze", action="store_true", help="gc.freeze() in the client after start-up")
+    ap.add_argument("--no-client-freeze", action="store_true", help="no gc.freeze() in the client after start-up")
     ap.add_argument("--stub-args", nargs="*", default=[], help="extra stub_backend arguments")
     ap.add_argument("--raw", help="also write the raw trace here")
     ap.add_argument("--out", required=True)
@@ -254,7 +255,7 @@ def main() -> None:
     rep["conditions"] = {"rate_rps": args.rate, "block_s": args.block_s, "repeats": args.repeats,
                          "chunks": args.chunks, "load_avg_at_start": load0, "load_avg_at_end": os.getloadavg(),
                          "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-                         "client_freeze": args.client_freeze, "stub_args": args.stub_args,
+                         "client_freeze": not args.no_client_freeze, "stub_args": args.stub_args,
                          "code": GO._code_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(args.out).write_text(json.dumps(rep, indent=1) + "\n")
     for k, v in rep.items():
