@@ -181,7 +181,8 @@ def analyze(raw: dict, tail_q: float = 99.0) -> dict:
                     if not rid.startswith(b["tag"] + "-"):
                         continue
                     t0, t1 = r[0], r[3]
-                    row = {"rid": rid, "i": int(rid.rsplit("-", 1)[1]), "t": t0 - b["t0"], "e2e_ms": (t1 - t0) * 1000}
+                    row = {"rid": rid, "i": int(rid.rsplit("-", 1)[1]), "t": t0 - b["t0"], "e2e_ms": (t1 - t0) * 1000,
+                           "_t0": t0, "_t1": t1}
                     g = gwp.get("requests", {}).get(rid)
                     s = st.get("requests", {}).get(rid)
                     u = gwp.get("upstream", {}).get(rid, {})
@@ -192,7 +193,10 @@ def analyze(raw: dict, tail_q: float = 99.0) -> dict:
                             row["gw_pre_ms"] = (u["send"] - g[0]) * 1000
                         if s and u.get("send"):
                             row["up_to_stub_ms"] = (s[0] - u["send"]) * 1000
-                            row["stub_to_gw_ms"] = ((u.get("done") or u["head"]) - s[3]) * 1000 if s[3] else None
+                            if s[3] and u.get("done"):  # non-streamed: stub's last byte -> gateway has the body
+                                row["stub_to_gw_ms"] = (u["done"] - s[3]) * 1000
+                            if s[3] and g[3]:  # stub's last byte -> gateway's last byte
+                                row["stub_end_to_gw_end_ms"] = (g[3] - s[3]) * 1000
                         if u.get("done") and g[3]:
                             row["gw_post_ms"] = (g[3] - u["done"]) * 1000
                     elif s:
@@ -214,6 +218,10 @@ def analyze(raw: dict, tail_q: float = 99.0) -> dict:
             def med(rs, k):
                 v = [r[k] for r in rs if r.get(k) is not None]
                 return round(statistics.median(v), 3) if v else None
+            health = gwp.get("health", [])
+            for r in rows:  # (after the fact: a health-check round overlapping the request)
+                r["health_overlap"] = _overlap(health, r["_t0"], r["_t1"]) > 0
+            first_s = sum(r["t"] < 0.5 for r in tail)
             explained = {
                 "gc_any_ge_1ms": sum(any(r[f"gc_{p}_ms"] >= 1 for p in ("client", "gateway", "stub")) for r in tail),
                 "runq_any_ge_1ms": sum(any(r[f"runq_{p}_ms"] >= 1 for p in ("client", "gateway", "stub")) for r in tail),
@@ -226,8 +234,12 @@ def analyze(raw: dict, tail_q: float = 99.0) -> dict:
                 "n": len(rows), "p50_ms": round(statistics.median(e2e), 3), f"p{tail_q:g}_ms": round(cut, 3),
                 "median_all": {k: med(rows, k) for k in keys}, "median_tail": {k: med(tail, k) for k in keys},
                 "tail_n": len(tail), "tail_explained": explained, "all_with": base,
+                "tail_in_first_0.5s_of_block": first_s,
+                "health_check_overlap": {"tail": sum(r["health_overlap"] for r in tail),
+                                         "all": sum(r["health_overlap"] for r in rows)},
                 "tail_position_in_block_s": sorted(round(r["t"], 2) for r in tail),
-                "tail": sorted(({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in tail),
+                "tail": sorted(({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
+                                 if not k.startswith("_")} for r in tail),
                                key=lambda r: -r["e2e_ms"])[:12]}
     return out
 

@@ -7,8 +7,8 @@ Installs, before the process's own `main()` runs:
   `time.perf_counter()` (CLOCK_MONOTONIC, comparable across processes) at receive, first body byte
   sent, last body byte sent and exit, each with the thread's cumulative run-queue delay
   (`/proc/thread-self/schedstat`, ns the thread was runnable but not running);
-- in the gateway, also the upstream send and the upstream response head (`Proxy._send`) and the
-  upstream body's end (`Proxy._read_whole`, non-streamed);
+- in the gateway, also the upstream send and the upstream response head (`Proxy._send`), the
+  upstream body's end (`Proxy._read_whole`, non-streamed) and each health-check round;
 - `gc.callbacks`: start, end (wall and thread CPU time) and generation of every collection;
 - an event-loop lag monitor (a 5 ms sleep in a loop; lag = how late it woke), started with the app's
   lifespan.
@@ -134,6 +134,18 @@ def _patch_gateway() -> None:
             T["upstream"].setdefault(ex.rid, {})["done"] = _perf()
 
     Proxy._send, Proxy._read_whole = _send, _read_whole
+    from specserve.gateway.backends import HealthChecker
+
+    check0 = HealthChecker.check_all
+
+    async def check_all(self):  # (start, end) of every health-check round
+        t = _perf()
+        try:
+            return await check0(self)
+        finally:
+            T.setdefault("health", []).append((t, _perf()))
+
+    HealthChecker.check_all = check_all
 
 
 def _patch_stub() -> None:
