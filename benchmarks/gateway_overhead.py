@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -119,6 +120,17 @@ def _code_version() -> str:
     return head + (" + uncommitted changes" if dirty else "")
 
 
+def _cpu_model() -> str:
+    """The processor's model name (/proc/cpuinfo), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1000, q))
 
@@ -146,7 +158,8 @@ async def run_once(args, seed: int) -> dict:
     fleet = tmp / "fleet.yaml"
     fleet.write_text(f'backends: [{{name: stub, url: "http://127.0.0.1:{stub_port}", profile: baseline}}]\n'
                      "health: {interval_s: 2}\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the repo first, then whatever PYTHONPATH already held (the device script's wheels in /tmp/site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     stub = subprocess.Popen([sys.executable, "-m", "tests.helpers.stub_backend", "--port", str(stub_port),
                              "--n-chunks", str(args.chunks), "--no-record"], cwd=ROOT, env=env,
                             stderr=subprocess.DEVNULL)
@@ -159,6 +172,8 @@ async def run_once(args, seed: int) -> dict:
         _wait_up(f"http://127.0.0.1:{gw_port}/health")
         rng = random.Random(seed)
         loads = [os.getloadavg()[0]]
+        gc.collect()
+        gc.freeze()  # the client's start-up heap (numpy, httpx, aiohttp) out of the collector's full passes
         # keep-alive shorter than the servers' 5 s, so an idle connection is never reused as the server closes it
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30),
@@ -274,7 +289,9 @@ def main() -> None:
     doc = {"benchmark": "gateway_overhead", "issue": 13,
            "goal": "added E2E latency p50 <= 1 ms and p99 <= 5 ms at 100 requests/s, streamed and not",
            "conditions": {"rate_rps": args.rate, "block_s": args.block_s, "repeats": args.repeats, "runs": args.runs,
-                          "chunks_per_stream": args.chunks, "cpus": os.cpu_count(), "machine": platform.machine(),
+                          "chunks_per_stream": args.chunks, "cpus": os.cpu_count(),
+                          "cpus_usable": sorted(os.sched_getaffinity(0)), "cpu_model": _cpu_model(),
+                          "machine": platform.machine(),
                           "python": platform.python_version(), "event_loop": loop_impl,
                           "backend": "stub that answers at once (tests/helpers/stub_backend.py --no-record)",
                           "client": "aiohttp.ClientSession, one task per request, in a third process",

@@ -9,10 +9,13 @@ covers the whole server), or fail a run when /metrics is missing (it returns Non
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
-from specserve.bench.metrics import acceptance_from_counts
+# httpx and specserve.bench.metrics (numpy) are imported where they are used: the gateway imports `parse`
+# for its vLLM health checks and should not load an HTTP client and numpy it does not use
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -49,6 +52,8 @@ def metrics_url(base_url: str) -> str:
 
 async def scrape(client: httpx.AsyncClient, url: str) -> Samples | None:
     """One scrape, or None when the server has no usable /metrics."""
+    import httpx
+
     try:
         r = await client.get(url, timeout=10)
     except httpx.HTTPError:
@@ -81,6 +86,8 @@ def acceptance_from_delta(d: Samples | None, profile: str | None = None) -> dict
     """Acceptance metrics from a /metrics delta, for one `profile` label (None: all); {} if no counters."""
     if not d:
         return {}
+    from specserve.bench.metrics import acceptance_from_counts
+
     for prefix in PREFIXES:
         drafts = _sum(d, prefix + "num_drafts_total", profile)
         if drafts is None:
@@ -107,6 +114,8 @@ def prefix_cache_tokens(base_url: str, namespace: str = "specserve") -> tuple[fl
     """(queried, hit) prompt tokens of a server's prefix cache so far, from one synchronous scrape of
     /metrics: `{namespace}:prefix_cache_queries_total` and `..._hits_total`, summed over label sets
     ("specserve" or "vllm", which share vLLM's names). None when /metrics or either counter is missing."""
+    import httpx
+
     try:
         r = httpx.get(metrics_url(base_url), timeout=10)
     except httpx.HTTPError:

@@ -25,7 +25,7 @@ Every key (see docs/gateway.md for the whole reference):
     request_log: gateway.jsonl      # one JSON line per request (backend, profile, config, step, ...)
     health: {path: /health, interval_s: 2, timeout_s: 1, unhealthy_after: 1, healthy_after: 1}
     retries: 2                      # more tries on other backends of the same profile
-    timeout_s: 600                  # one backend request, whole (s)
+    timeout_s: 600                  # longest silence of a backend (s): until its answer starts, between chunks
     connect_timeout_s: 2
     max_body_bytes: 4194304
     rollout: {plan: plan.yaml, state_file: rollout-state.json}   # plan: a file or an inline object

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class SideStats:
@@ -86,8 +84,14 @@ class Decision:
 
 
 def percentile(values, q: float) -> float | None:
-    """numpy's linear-interpolation percentile q (0..100) of `values`; None when empty."""
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+    """numpy's linear-interpolation percentile q (0..100) of `values`; None when empty. (numpy is imported
+    here, at the first evaluation, not with the module: the gateway and the server import this module and
+    use it only while a rollout runs, in the controller's worker thread.)"""
+    if not len(values):
+        return None
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 def _ratio(name: str, threshold: float, cand: float | None, base: float | None, what: str) -> GateResult:

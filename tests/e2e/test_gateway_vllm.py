@@ -124,6 +124,9 @@ def test_vllm_fleet_rollout_and_bench(real_model, tmp_path):
                            "comparisons": [{"candidate": c["candidate"], "speedup": c["overall"].get("speedup"),
                                             "greedy_match": c["overall"].get("greedy_match")}
                                            for c in summary["comparisons"]]}
+        # the gateway writes a request's log line after its answer's last byte (and shadow replays may still run):
+        # stop it first, so that its request log is whole and closed when read
+        gw.stop()
         gw_lines = [json.loads(x) for x in (tmp_path / "gw.jsonl").read_text().splitlines()]
         record["gateway_requests"] = len(gw_lines)
         record["gateway_backends_used"] = sorted({x["backend"] for x in gw_lines if x.get("backend")})
@@ -136,7 +139,7 @@ def test_vllm_fleet_rollout_and_bench(real_model, tmp_path):
             record["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
             Path(os.environ["SPECSERVE_VLLM_RECORD"]).write_text(json.dumps(record, indent=1, default=str) + "\n")
         if gw is not None:
-            gw.stop()
+            gw.stop()  # (a second stop of a stopped gateway returns at once)
         for p in procs.values():
             p.terminate()
         for p in procs.values():

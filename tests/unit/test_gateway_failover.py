@@ -202,3 +202,19 @@ def test_killed_backend_loses_no_request_is_ejected_and_returns():
     assert [s for s, _ in results if s != 200] == []  # nothing lost
     assert ejected_after <= interval + 0.6, ejected_after  # passive + active checks: within one interval
     assert retried >= 1  # requests in flight on b0 (or sent to it before its ejection) were retried on b1
+
+
+def test_timeout_bounds_silence_not_the_whole_request():
+    """timeout_s is aiohttp's sock_read: a backend silent for longer than it (a non-streamed answer that
+    starts late) gets 504; a stream longer than it whose chunks keep coming passes whole."""
+    with fleet({"b1": "baseline"}, {"timeout_s": 0.5, "retries": 0}) as (gw, states, _):
+        states["b1"].delay_s = 1.5
+        r = _post(gw)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "gateway_timeout"
+        states["b1"].delay_s, states["b1"].n_chunks, states["b1"].chunk_delay_s = 0.0, 10, 0.1
+        with HTTP.stream("POST", gw.base_url + "/v1/completions",
+                         json={"prompt": "hello", "max_tokens": 10, "temperature": 0, "stream": True}) as r:
+            t0 = time.monotonic()
+            body = b"".join(r.iter_bytes())
+        assert r.status_code == 200 and time.monotonic() - t0 >= 0.9  # longer than timeout_s in all
+        assert body.count(b'"text"') == 10 and body.rstrip().endswith(b"data: [DONE]")

@@ -117,3 +117,53 @@ def test_body_limit_413_while_the_body_streams_in(tmp_path):
         # the other routes keep their limit too
         r = HTTP.post(gw.base_url + "/admin/weights", content=b" " * 2000)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_gateway_import_loads_no_numpy_or_httpx():
+    """The gateway serves with aiohttp and its own code: importing it (and the CLI) loads neither numpy
+    (the rollout gates import it at their first evaluation) nor httpx (the benchmark tools' client)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, specserve.cli, specserve.gateway.app, specserve.gateway.proxy; "
+            "print(sorted(m for m in ('numpy', 'httpx', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_streams_leave_no_reference_cycles():
+    """A finished stream frees its objects at once: its disconnect watcher, once cancelled, must not keep
+    the request (task, scope, ASGI cycle) in a reference cycle for the garbage collector (whose passes
+    would then come every few dozen streams, a pause on the gateway's event loop each)."""
+    import asyncio
+    import gc
+
+    from specserve.gateway.streaming import DisconnectGuard
+
+    body = json.dumps({"prompt": "hello", "max_tokens": 4, "temperature": 0, "stream": True}).encode()
+    with fleet({"b1": "baseline"}) as (gw, _, _):
+        u = urlparse(gw.base_url)
+        with socket.create_connection((u.hostname, u.port)) as s:
+            def stream():
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                buf = b""
+                while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's end
+                    buf += s.recv(65536)
+                assert b"[DONE]" in buf
+
+            stream()
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for _ in range(20):
+                    stream()
+                gc.collect()
+                leaked = [o for o in gc.garbage if isinstance(o, (DisconnectGuard, asyncio.Task))]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+    assert leaked == []

@@ -139,3 +139,16 @@ def test_window_counts_and_record_feed():
     w.add_record({**rec, "profile": None})
     assert w.side("a", 100, 100).requests == 1
     assert outcome_from_record(rec, 5.0).tpot_s == pytest.approx(0.2)
+
+
+def test_window_keeps_outcomes_out_of_the_garbage_collector():
+    """A busy window holds tens of thousands of outcomes; kept as plain tuples of numbers and strings, the
+    collector stops tracking them after one pass (objects would lengthen every full collection)."""
+    import gc
+
+    w = OutcomeWindow(horizon_s=600, clock=lambda: 100.0)
+    for i in range(100):
+        w.add(Outcome(float(i), "a", "ok", 200, 0.01, None, 16))
+    gc.collect()
+    assert not any(gc.is_tracked(row) for row in w._outcomes)
+    assert w.side("a", 0, 100).requests == 100
