@@ -43,6 +43,11 @@ print("python", platform.python_version(), "cpus", os.cpu_count(),
 EOF
 echo "pinning to cores $CORES (SMT siblings of cpu0: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null || echo unknown))"
 echo "load average before: $(cat /proc/loadavg)"
-taskset -c "$CORES" "$PY" benchmarks/gateway_overhead.py --runs "$RUNS" --repeats "$REPEATS" --block-s "$BLOCK_S" \
+if command -v taskset > /dev/null; then
+    PIN=(taskset -c "$CORES")
+else  # (no util-linux: the same pinning through Python; children inherit it)
+    PIN=("$PY" -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$CORES")
+fi
+"${PIN[@]}" "$PY" benchmarks/gateway_overhead.py --runs "$RUNS" --repeats "$REPEATS" --block-s "$BLOCK_S" \
     --rate 100 --tag "$TAG" --out "$OUT"
 echo "load average after: $(cat /proc/loadavg)"
