@@ -12,7 +12,8 @@
 # client: all three processes) under `taskset -c $CORES` (default 0,1: the issue's "2 cores"), at 100
 # requests/s, streamed and not, and writes $OUT/gateway_overhead_<TAG>.json and $OUT/log.
 # Knobs (environment): RUNS (3), REPEATS (3 block pairs per mode), BLOCK_S (10), CORES (0,1),
-# TAG (h200host_2cores). About 130 s per run with the defaults, plus ~20 s to install.
+# TAG (h200host_2cores), TRACE (1: also benchmarks/gateway_trace.py, ~95 s, to $OUT/gateway_trace_<TAG>.json).
+# About 130 s per run with the defaults, plus ~20 s to install: RUNS=3 fits a 600 s call, RUNS=2 with TRACE=1 too.
 set -euo pipefail
 OUT=${OUT:?set OUT to the output folder}
 RUNS=${RUNS:-3}
@@ -43,6 +44,14 @@ print("python", platform.python_version(), "cpus", os.cpu_count(),
 EOF
 echo "pinning to cores $CORES (SMT siblings of cpu0: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null || echo unknown))"
 echo "load average before: $(cat /proc/loadavg)"
-taskset -c "$CORES" "$PY" benchmarks/gateway_overhead.py --runs "$RUNS" --repeats "$REPEATS" --block-s "$BLOCK_S" \
+if command -v taskset > /dev/null; then
+    PIN=(taskset -c "$CORES")
+else  # (no util-linux: the same pinning through Python; children inherit it)
+    PIN=("$PY" -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$CORES")
+fi
+"${PIN[@]}" "$PY" benchmarks/gateway_overhead.py --runs "$RUNS" --repeats "$REPEATS" --block-s "$BLOCK_S" \
     --rate 100 --tag "$TAG" --out "$OUT"
 echo "load average after: $(cat /proc/loadavg)"
+if [ "${TRACE:-0}" = 1 ]; then  # the traced run too (~95 s): where a slow request's time went, per process
+    "${PIN[@]}" "$PY" benchmarks/gateway_trace.py --block-s 10 --repeats 2 --out "$OUT/gateway_trace_$TAG.json"
+fi
