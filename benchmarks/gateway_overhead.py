@@ -41,6 +41,9 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from specserve.engine.step_cost import cpu_model_name  # noqa: E402  (a light module: no torch at import)
+
 MODES = ("non_streamed", "streamed")
 
 
@@ -119,16 +122,6 @@ def _code_version() -> str:
         return f"unknown ({type(e).__name__})"
     return head + (" + uncommitted changes" if dirty else "")
 
-
-def _cpu_model() -> str:
-    """The processor's model name (/proc/cpuinfo), or "unknown"."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -290,7 +283,7 @@ def main() -> None:
            "goal": "added E2E latency p50 <= 1 ms and p99 <= 5 ms at 100 requests/s, streamed and not",
            "conditions": {"rate_rps": args.rate, "block_s": args.block_s, "repeats": args.repeats, "runs": args.runs,
                           "chunks_per_stream": args.chunks, "cpus": os.cpu_count(),
-                          "cpus_usable": sorted(os.sched_getaffinity(0)), "cpu_model": _cpu_model(),
+                          "cpus_usable": sorted(os.sched_getaffinity(0)), "cpu_model": cpu_model_name(),
                           "machine": platform.machine(),
                           "python": platform.python_version(), "event_loop": loop_impl,
                           "backend": "stub that answers at once (tests/helpers/stub_backend.py --no-record)",

@@ -271,11 +271,8 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
     return cm
 
 
-def _device_name(device: Any) -> str:
-    if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(device)
+def cpu_model_name() -> str:
+    """The processor's model name from /proc/cpuinfo, else `platform.processor()` or the machine type."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -283,6 +280,14 @@ def _device_name(device: Any) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _device_name(device: Any) -> str:
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return cpu_model_name()
 
 
 def _code_fingerprint() -> str:
