@@ -16,6 +16,10 @@ HTTP = httpx.Client(timeout=20)
 GATES = {"p95_e2e_ratio": 3.0, "p95_ttft_ratio": None, "median_tpot_ratio": None, "error_rate_diff": 0.05}
 PLAN = {"candidate": "ngram", "steps": [25, 50, 100], "min_dwell_s": 0, "min_requests": 5, "window_s": 3,
         "interval_s": 0.2, "gates": GATES}
+# Every stub answers after 20 ms: with answers in ~1 ms, one scheduling hiccup of a loaded machine made a
+# healthy candidate's p95 E2E 3x the baseline's and tripped the latency gate (or tripped it before the
+# gate a fault test expects); a 20 ms floor keeps such noise well under the 3.0 ratio.
+BASE_DELAY_S = 0.02
 
 
 def _rollout(gw):
@@ -30,7 +34,8 @@ def test_healthy_candidate_reaches_100_percent(tmp_path):
     config = {"weights": {"baseline": 1}, "request_log": str(tmp_path / "gw.jsonl"),
               "rollout": {"state_file": str(tmp_path / "state.json")}}
     plan = {**PLAN, "gates": {**GATES, "min_mean_acceptance_length": 2.0}}
-    with fleet({"b1": "baseline", "n1": "ngram"}, config, acceptance=(10, 20)) as (gw, states, _), Traffic(gw.base_url):
+    with fleet({"b1": "baseline", "n1": "ngram"}, config, acceptance=(10, 20), delay_s=BASE_DELAY_S) as (gw, states, _), \
+            Traffic(gw.base_url):
         r = HTTP.post(gw.base_url + "/admin/rollout", headers=AUTH, json=plan)
         assert r.status_code == 200 and r.json()["weights"] == {"baseline": 75.0, "ngram": 25.0}
         st = _finish(gw)
@@ -56,10 +61,11 @@ def test_bad_candidate_reverted_within_one_window(fault, gate):
     plan = {**PLAN, "steps": [50, 100], "min_dwell_s": 60}
     if fault == "lossy":
         plan["shadow"] = {"sample": 1.0, "max_in_flight": 4}
-    with fleet({"b1": "baseline", "n1": "ngram"}) as (gw, states, _), Traffic(gw.base_url) as traffic:
+    with fleet({"b1": "baseline", "n1": "ngram"}, delay_s=BASE_DELAY_S) as (gw, states, _), \
+            Traffic(gw.base_url) as traffic:
         n1 = states["n1"]
         if fault == "slow":
-            n1.delay_s = 0.08
+            n1.delay_s = BASE_DELAY_S + 0.1  # p95 ratio >= 6
         elif fault == "failing":
             n1.fail_status = 500
         elif fault == "lossy":
