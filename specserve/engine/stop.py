@@ -111,42 +111,50 @@ def _commit_each(req: Request, token_ids: list[int], logprobs: list[TokenLogprob
         if req.logprobs is not None and logprobs is not None:
             req.logprobs.append(logprobs[i])
         n_out = req.num_output_tokens
-        if (t in eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids:
-            if n_out > p.min_tokens:  # the sampler masks stop ids below min_tokens; this is a guard
-                req.finish_reason = "stop"
-                req.stop_reason = t if t in p.stop_token_ids else None
-                # the stop token is kept in token_ids but produces no text
-                req.prefix_offset = req.read_offset = len(req.all_token_ids)
-                return i + 1
+        if _stops_by_id(req, t, n_out, eos_token_ids):
+            # the stop token is kept in token_ids but produces no text
+            req.prefix_offset = req.read_offset = len(req.all_token_ids)
+            return i + 1
         delta = detokenize_incrementally(tokenizer, req)
         req.text += delta
         if n_out >= p.min_tokens and _check_stop_strings(req, len(delta)):
             return i + 1
-        if p.max_tokens is not None and n_out >= p.max_tokens:
-            req.finish_reason = "length"
-            return i + 1
-        if len(req.all_token_ids) >= max_model_len:
-            req.finish_reason = "length"
+        if _stops_by_length(req, n_out, len(req.all_token_ids), max_model_len):
             return i + 1
     return len(token_ids)
+
+
+def _stops_by_id(req: Request, t: int, n_out: int, eos_token_ids: tuple[int, ...]) -> bool:
+    """Token `t`, the request's `n_out`-th output token, is EOS or a stop token id past min_tokens (the
+    sampler masks them below min_tokens; this is a guard): finish with "stop"."""
+    p = req.params
+    if ((t in eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids) and n_out > p.min_tokens:
+        req.finish_reason = "stop"
+        req.stop_reason = t if t in p.stop_token_ids else None
+        return True
+    return False
+
+
+def _stops_by_length(req: Request, n_out: int, n_ids: int, max_model_len: int) -> bool:
+    """`n_out` output tokens reach max_tokens, or `n_ids` tokens the context length: finish with "length"."""
+    if (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or n_ids >= max_model_len:
+        req.finish_reason = "length"
+        return True
+    return False
 
 
 def _commit_block(req: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None, tokenizer,
                   eos_token_ids: tuple[int, ...], max_model_len: int) -> int:
     """`commit_tokens` for a request without stop strings: the same checks in the same order, with
     the text of the committed tokens decoded once for the block."""
-    p = req.params
     n_out0, n_ids0 = req.num_output_tokens, len(req.all_token_ids)
     n, stop_token = len(token_ids), False
     for i, t in enumerate(token_ids):
         n_out = n_out0 + i + 1
-        if ((t in eos_token_ids and not p.ignore_eos) or t in p.stop_token_ids) and n_out > p.min_tokens:
-            req.finish_reason = "stop"
-            req.stop_reason = t if t in p.stop_token_ids else None
+        if _stops_by_id(req, t, n_out, eos_token_ids):
             n, stop_token = i + 1, True
             break
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or n_ids0 + i + 1 >= max_model_len:
-            req.finish_reason = "length"
+        if _stops_by_length(req, n_out, n_ids0 + i + 1, max_model_len):
             n = i + 1
             break
     text_n = n - 1 if stop_token else n  # an EOS / stop token id produces no text

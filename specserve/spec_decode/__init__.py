@@ -9,6 +9,7 @@ proposer instance may be shared by several profiles. What it does not do: decide
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 from typing import Callable, Hashable
 
@@ -98,18 +99,10 @@ def proposer_key(config: SpeculativeConfig | None) -> Hashable:
     """
     if config is None:
         return None
-    try:
-        key = _KEYS.get(config)
+    try:  # every engine step asks for it per request: cached per config
+        return _cached_proposer_key(config)
     except TypeError:  # an unhashable field value (e.g. a list-valued batch-size table): not cached
         return _proposer_key(config)
-    if key is None:
-        if len(_KEYS) >= 1024:
-            _KEYS.clear()
-        key = _KEYS[config] = _proposer_key(config)
-    return key
-
-
-_KEYS: dict[SpeculativeConfig, Hashable] = {}  # config -> key: every engine step asks for it per request
 
 
 def _proposer_key(config: SpeculativeConfig) -> Hashable:
@@ -121,6 +114,9 @@ def _proposer_key(config: SpeculativeConfig) -> Hashable:
     )
     return (config.method,) + items
 
+
+
+_cached_proposer_key = functools.lru_cache(maxsize=1024)(_proposer_key)
 
 __all__ = [
     "NgramProposer",
