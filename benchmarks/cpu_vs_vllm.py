@@ -15,8 +15,8 @@ servers' prefix caches see repeats, as they would in production), but a suffix p
 global tree keeps the outputs of finished requests, and with greedy decoding a tree that has seen a
 prompt's answer drafts the whole answer again (acceptance length 7.4 of a possible 9 on the second
 sight, against 1.3-4.8 on the first, in the run before this fix). So for --method ngram every measured
-run of specserve's suffix profile goes to a new profile (`suffix.r<repeat>c<concurrency>`, the server's
-`suffix` profile's config with its own `suffix_decoding_max_cached_requests`, which only makes it a
+run of specserve's suffix profiles (`suffix`, `suffix_adaptive`) goes to a new profile
+(`suffix.r<repeat>c<concurrency>`, the server's profile's config with its own `suffix_decoding_max_cached_requests`, which only makes it a
 proposer of its own) added through the admin API (`--admin-token`, or SPECSERVE_ADMIN_TOKEN): its tree
 starts empty and sees only that run's warm-up outputs (prompts that are not measured) and the outputs
 of that run's earlier requests. ngram keeps no state across requests. Results go into one JSON file that
@@ -51,7 +51,9 @@ from urllib.parse import urlparse
 DIRECTION = ("ratios are specserve / vLLM (median over repeats of the per-repeat ratio, both servers measured "
              "in the same repeat): *_tpot_ratio and *_ttft_ratio < 1 and *_tps_ratio > 1 mean specserve is ahead")
 # specserve profiles measured against vLLM's server of each --method (the first one names the summary keys)
-PROFILES = {"baseline": ["baseline"], "ngram": ["ngram", "suffix"]}
+PROFILES = {"baseline": ["baseline"], "ngram": ["ngram", "suffix", "ngram_adaptive", "suffix_adaptive"]}
+# profiles whose suffix trees keep outputs across requests: each measured run gets a fresh copy
+SUFFIX_PROFILES = ("suffix", "suffix_adaptive")
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -115,13 +117,14 @@ def prefix_cache_tokens(url: str, server: str) -> tuple[float, float] | None:
     return scrape(url, server)
 
 
-def fresh_suffix_profile(url: str, token: str | None, name: str) -> str:
-    """Add profile `name` to the specserve server at `url`: the config of its `suffix` profile with a
+def fresh_suffix_profile(url: str, token: str | None, name: str, base_profile: str = "suffix") -> str:
+    """Add profile `name` to the specserve server at `url`: the config of its `base_profile` profile with a
     `suffix_decoding_max_cached_requests` no other suffix profile there has, so that the engine gives it a
     proposer of its own whose global tree is empty (`spec_decode.proposer_key`). Returns `name`.
 
     Raises:
-        SystemExit: the admin API refused (no or a wrong token, overrides off) or there is no `suffix` profile.
+        SystemExit: the admin API refused (no or a wrong token, overrides off) or `base_profile` is not a
+            suffix profile there.
     """
     import httpx
 
@@ -132,12 +135,13 @@ def fresh_suffix_profile(url: str, token: str | None, name: str) -> str:
         raise SystemExit(f"GET {root}/admin/profiles answered {r.status_code}: start the specserve server with "
                          "an admin token (SPECSERVE_ADMIN_TOKEN) and pass the same one here (--admin-token)")
     profiles = r.json()["profiles"]
-    base = (profiles.get("suffix") or {}).get("config")
+    base = (profiles.get(base_profile) or {}).get("config")
     if not base or base.get("method") != "suffix":
-        raise SystemExit(f"the server at {root} has no suffix profile (serve benchmarks/cpu_vs_vllm_profiles.json)")
+        raise SystemExit(f"the server at {root} has no suffix profile {base_profile!r} "
+                         "(serve benchmarks/cpu_vs_vllm_profiles.json)")
     used = {(p.get("effective_config") or {}).get("suffix_decoding_max_cached_requests")
             for p in profiles.values() if p.get("method") == "suffix"}
-    cached = (profiles["suffix"].get("effective_config") or {}).get("suffix_decoding_max_cached_requests", 10000)
+    cached = (profiles[base_profile].get("effective_config") or {}).get("suffix_decoding_max_cached_requests", 10000)
     while cached in used:  # one fewer cached request (of 10k) changes nothing in a 100-request run
         cached -= 1
     r = httpx.post(root + "/admin/profiles", headers=headers, timeout=1800,
@@ -198,8 +202,9 @@ def one_repeat(args, rep: int, scratch: Path) -> dict:
         for name in order:
             url, profiles = servers[name]
             served = {p: p for p in profiles or []}
-            if name == "specserve" and "suffix" in served:  # a fresh suffix tree for every measured run
-                served["suffix"] = fresh_suffix_profile(url, args.admin_token, f"suffix.r{rep}c{conc}")
+            for p in SUFFIX_PROFILES:  # a fresh suffix tree for every measured run
+                if name == "specserve" and p in served:
+                    served[p] = fresh_suffix_profile(url, args.admin_token, f"{p}.r{rep}c{conc}", p)
             cpu0 = {n: tree_cpu_seconds(p) for n, p in pids.items()}
             load0, t0 = os.getloadavg(), time.monotonic()
             pc0 = prefix_cache_tokens(url, name)
@@ -349,7 +354,7 @@ def main() -> None:
         "specserve_profiles": PROFILES[args.method],
         "runs": "one bench call per (repeat, concurrency level, server); the same prompts at every level and in "
                 "every repeat (prefix caches see repeats); " + (
-                    "specserve's suffix profile: a new profile with an empty global tree for every measured run"
+                    "specserve's suffix profiles: a new profile with an empty global tree for every measured run"
                     if "suffix" in PROFILES[args.method] else "no cross-request proposer state"),
         "vllm_server": args.describe_vllm,
         "specserve_server": args.describe_specserve, "repeats": reps}
