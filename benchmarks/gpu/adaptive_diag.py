@@ -1,0 +1,199 @@
+"""Where a step's time goes at 16 concurrent requests, per profile: the diagnosis behind the adaptive
+schedule's GPU figures (issue 10), on the device, with the real model.
+
+For each profile (bench_gpu.py's configs) it runs `--requests` greedy requests 16 at a time, after one
+warm-up run, and records per step: wall ms, tokens and sequences in the plan, draft tokens verified,
+and the host time of scheduling (proposing and the adaptive decision included), of the proposer calls,
+of the adaptive decision, of the wait for the GPU's result (`to_host`) and of the commit. It prints per
+profile: tok/s, steps, mean ms per step by part, the wall ms of steps by number of draft tokens, and
+for adaptive profiles the step-cost model (modelled step ms at 16 sequences for 0..128 draft tokens,
+fitted host overhead and per-draft-token cost), the decisions taken (with and without drafts), rest
+steps and the profile's acceptance prior by position. With --profile NAME it also prints the top
+functions of a cProfile of that profile's measured run.
+
+    python benchmarks/gpu/adaptive_diag.py --prompts prompts.json --model qwen2.5-coder-0.5b-instruct \\
+        --profiles baseline,ngram,ngram_adaptive,suffix,suffix_adaptive --out diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as bg  # noqa: E402
+
+
+class StepLog:
+    """Per-step timings collected through wrappers around the engine's parts (ms)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.cur: dict = {}
+
+    def add(self, key: str, ms: float) -> None:
+        self.cur[key] = self.cur.get(key, 0.0) + ms
+
+
+def instrument(eng, log: StepLog) -> None:
+    """Wrap step, schedule, _propose, _commit and to_host of one engine (once)."""
+    import specserve.engine.llm_engine as le
+
+    sched, propose, commit, step, host = eng.scheduler.schedule, eng._propose, eng._commit, eng.step, le.to_host
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                log.add(key, 1e3 * (time.perf_counter() - t0))
+        return wrapper
+
+    def schedule(propose_fn):
+        t0 = time.perf_counter()
+        plan = sched(propose_fn)
+        log.add("schedule_ms", 1e3 * (time.perf_counter() - t0))
+        if plan:
+            log.cur.update(tokens=plan.num_tokens, seqs=len(plan.scheduled), drafts=plan.num_draft_tokens,
+                           prefills=sum(1 for s in plan.scheduled if s.is_prefill))
+        return plan
+
+    def one_step():
+        log.cur = {}
+        t0 = time.perf_counter()
+        out = step()
+        log.cur["wall_ms"] = 1e3 * (time.perf_counter() - t0)
+        if "seqs" in log.cur:
+            log.rows.append(log.cur)
+        return out
+
+    eng.scheduler.schedule = schedule
+    eng._propose = timed("propose_ms", propose)
+    eng._commit = timed("commit_ms", commit)
+    le.to_host = timed("to_host_ms", host)
+    eng.step = one_step
+
+
+def instrument_adaptive(ad, log: StepLog) -> None:
+    if getattr(ad, "_diag", False):
+        return
+    ad._diag = True
+    draft = ad.draft
+
+    def wrapped(asks, propose, **kw):
+        resting = ad.rest_steps > 0
+        t0 = time.perf_counter()
+        out = draft(asks, propose, **kw)
+        log.add("adaptive_ms", 1e3 * (time.perf_counter() - t0))
+        n_adaptive = sum(1 for r, _ in asks if r.spec_config.adaptive)
+        if n_adaptive:
+            log.cur["decision"] = "rest" if resting else ("drafts" if any(p.token_ids for p in out) else "none")
+        return out
+
+    ad.draft = wrapped
+
+
+def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
+    dec = [r for r in rows if not r.get("prefills")]
+    parts = ["wall_ms", "schedule_ms", "propose_ms", "adaptive_ms", "to_host_ms", "commit_ms"]
+    out = {"tok_s": round(tok_s), "seconds": round(seconds, 3), "steps": len(rows),
+           "decode_steps": len(dec), "mean_ms_decode_steps": {
+               p: round(statistics.mean(r.get(p, 0.0) for r in dec), 3) for p in parts} if dec else {}}
+    if dec:
+        out["mean_ms_decode_steps"]["outside_parts_ms"] = round(statistics.mean(
+            r["wall_ms"] - r.get("schedule_ms", 0) - r.get("to_host_ms", 0) - r.get("commit_ms", 0) for r in dec), 3)
+    by = defaultdict(list)
+    for r in dec:
+        if r["seqs"] >= 12:
+            by[(r["drafts"] + 15) // 16 * 16].append(r["wall_ms"])
+    out["wall_ms_by_drafts_at_12plus_seqs"] = {f"<={d}": [len(v), round(statistics.median(v), 3)]
+                                               for d, v in sorted(by.items())}
+    decisions = defaultdict(int)
+    for r in rows:
+        if "decision" in r:
+            decisions[r["decision"]] += 1
+    if decisions:
+        out["decisions"] = dict(decisions)
+        for kind in ("drafts", "none"):
+            ms = [r["adaptive_ms"] for r in rows if r.get("decision") == kind]
+            if ms:
+                out[f"adaptive_ms_{kind}"] = round(statistics.median(ms), 3)
+    return out
+
+
+def main() -> None:
+    from specserve import LLM
+    from specserve.spec_decode import make_proposer, proposer_key
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--profiles", default="baseline,ngram,ngram_adaptive,suffix,suffix_adaptive")
+    ap.add_argument("--profile", default=None, help="cProfile this profile's measured run")
+    ap.add_argument("--reps", type=int, default=1, help="measured runs per profile (the figures are of the last)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke test of the script")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap each prompt's max_tokens (smoke tests)")
+    args = ap.parse_args()
+    samples = json.loads(Path(args.prompts).read_text())["samples"]
+    if args.max_tokens:
+        samples = [{**s, "max_tokens": min(s["max_tokens"], args.max_tokens)} for s in samples]
+    llm = LLM(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
+              max_model_len=4096, max_num_seqs=16)
+    eng = llm.engine
+    cfgs = bg.method_configs(None, {m: bg.METHODS[m] for m in bg.C16_PROFILES if m in bg.METHODS})
+    cfgs.update(bg.method_configs(None, bg.C16_EXTRA))
+    names = args.profiles.split(",")
+    log = StepLog()
+    instrument(eng, log)
+    res = {"model": args.model, "requests": args.requests, "profiles": {}}
+    for n in names:
+        c = cfgs[n]
+        for rep in range(1 + args.reps):
+            if c is not None and c.method == "suffix":  # an empty global tree for every run
+                eng.set_proposer(c, make_proposer(c, eng.proposer_context))
+            if eng.adaptive is not None:
+                instrument_adaptive(eng.adaptive, log)
+            log.rows = []
+            prof = cProfile.Profile() if (n == args.profile and rep == args.reps) else None
+            if prof:
+                prof.enable()
+            r = bg.concurrent(llm, samples, c, args.requests)
+            if prof:
+                prof.disable()
+        s = summarize(log.rows, r["total_tok_s"], r["seconds"])
+        if c is not None and c.adaptive and eng.adaptive is not None:
+            ad, cm = eng.adaptive, eng.adaptive.step_cost
+            s["cost_model"] = {"step_ms_16seqs_by_drafts": {d: round(cm.step_ms(16 + d, 16, d), 3)
+                                                            for d in (0, 16, 32, 48, 64, 96, 128)},
+                               "forward_ms_16seqs_by_drafts": {d: round(cm.forward_ms(16 + d, 16), 3)
+                                                               for d in (0, 16, 32, 64, 128)},
+                               "overhead_ms": round(cm.overhead_ms, 4), "draft_overhead_ms": round(cm.draft_overhead_ms, 4)}
+            s["chosen_k"] = list(ad.chosen_k.get(c, []))
+            s["decide_ms_ema"] = round(ad.decide_ms, 3)
+            s["prior"] = [round(x, 3) for x in ad.tracker.config_summary(c, proposer_key(c), c.num_speculative_tokens)]
+            s["propose_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in ad.propose_ms.items()}
+        res["profiles"][n] = s
+        print(n, json.dumps(s), flush=True)
+        if prof:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(28)
+            print(buf.getvalue()[-6000:], flush=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    base = res["profiles"].get("baseline", {}).get("tok_s")
+    if base:
+        print("over baseline: " + ", ".join(f"{n} {p['tok_s'] / base:.2f}x" for n, p in res["profiles"].items()))
+
+
+if __name__ == "__main__":
+    main()
