@@ -19,6 +19,10 @@ gets its own proposer (its `suffix_decoding_max_cached_requests` is lowered by a
 it a different proposer key), so one profile's outputs never feed another's tree. Metrics per run are
 the bench runner's (`bench.metrics.summarize`); `sweep_select` turns them into speedups, medians,
 spreads and the recommendation.
+Pruning (one running server only): after the first repeat of a (segment, concurrency), profiles more
+than `prune_margin` below the best speedup there are not run again there (`sweep_select.prune`): the
+later repeats measure only the contenders, which cuts a sweep's time where the profiles differ most.
+With --server-cmd every server runs all its repeats before the next starts, so there is nothing to cut.
 What it does not do: print or write files (`sweep_cli.py`), or draw (`sweep_report.py`).
 """
 
@@ -39,10 +43,11 @@ from tqdm import tqdm
 
 from specserve.bench import client as bclient
 from specserve.bench import datasets, metrics, prom
-from specserve.bench.sweep_select import BASELINE, recommend, recommended_profiles, summarize_runs
+from specserve.bench.sweep_select import BASELINE, prune, recommend, recommended_profiles, summarize_runs
 
 SCHEMA = "specserve.sweep/1"
 METHOD_DEFAULTS = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4}}  # as the demo's ngram profile
+DEFAULT_PRUNE_MARGIN = 0.15  # one running server: drop profiles > 15% below the best after repeat 1
 
 
 class SweepError(RuntimeError):
@@ -71,6 +76,7 @@ class SweepConfig:
     seed: int = 0
     warmup: int = 1
     min_noise: float = 0.02
+    prune_margin: float | None = None  # None: DEFAULT_PRUNE_MARGIN with base_url, 0 (off) with server_cmd
     timeout_s: float = 600.0
     progress: bool = True
 
@@ -171,8 +177,10 @@ async def _run_one(cl, cfg: SweepConfig, base_url: str, model: str, samples: lis
     return m
 
 
-async def sweep_server(cfg: SweepConfig, profiles: dict[str, dict | None], tag: str) -> list[dict]:
-    """Run the sweep against one running specserve server (profiles added through the admin API)."""
+async def sweep_server(cfg: SweepConfig, profiles: dict[str, dict | None], tag: str,
+                       pruned: dict | None = None) -> list[dict]:
+    """Run the sweep against one running specserve server (profiles added through the admin API); the
+    profiles pruned after the first repeat go into `pruned` ({(segment, concurrency): {profile: speedup}})."""
     base_url = cfg.base_url.rstrip("/")
     root = base_url[:-3] if base_url.endswith("/v1") else base_url
     names = [f"sweep{tag}.{n}" if n != BASELINE else BASELINE for n in profiles]
@@ -183,14 +191,17 @@ async def sweep_server(cfg: SweepConfig, profiles: dict[str, dict | None], tag: 
 
         model = cfg.model or await discover_model(cl, base_url)
         await add_profiles(cl, root, cfg.admin_token, {n: c for n, c in served.items() if n != BASELINE})
-        return await _sweep_loop(cl, cfg, base_url, model, dict(zip(names, profiles)))
+        return await _sweep_loop(cl, cfg, base_url, model, dict(zip(names, profiles)), pruned=pruned)
 
 
 async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map: dict[str, str],
-                      only: str | None = None, bar=None) -> list[dict]:
+                      only: str | None = None, bar=None, pruned: dict | None = None) -> list[dict]:
     """Every repeat x segment x concurrency x profile of `name_map` (served name -> sweep name); with
-    `only`, one profile (external servers, where the server is the profile)."""
+    `only`, one profile (external servers, where the server is the profile). With `pruned` (a dict to
+    fill) and a prune margin, the first repeat's losers of each (segment, concurrency) are not run again."""
     served_names = list(name_map) if only is None else [only]
+    margin = cfg.prune_margin or 0.0
+    kept: dict[tuple[str, int], list[str]] = {}
     own_bar = bar is None
     if own_bar:
         total = cfg.repeats * len(cfg.segments) * len(cfg.concurrency) * len(served_names) * cfg.num_prompts
@@ -208,12 +219,21 @@ async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map:
             for seg in cfg.segments:
                 for conc in cfg.concurrency:
                     samples = samples_for(cfg, seg, rep, conc)
-                    for n in rotated(served_names, i):
+                    group = kept.get((seg, conc), served_names)
+                    for n in rotated(group, i):
                         bar.set_description(f"#{rep} {seg} c={conc} {name_map[n]}")
                         m = await _run_one(cl, cfg, base_url, model, samples, None if only else n, conc, bar)
                         runs.append({"repeat": rep, "segment": seg, "concurrency": conc, "profile": name_map[n],
                                      "metrics": m})
                     i += 1
+                    if rep == 0 and margin > 0 and cfg.repeats > 1 and pruned is not None and only is None:
+                        first = [r for r in runs if (r["repeat"], r["segment"], r["concurrency"]) == (0, seg, conc)]
+                        cut = prune(first, margin).get((seg, conc), {})
+                        if cut:
+                            pruned[(seg, conc)] = cut
+                            kept[(seg, conc)] = [n for n in served_names if name_map[n] not in cut]
+                            bar.total -= len(cut) * (cfg.repeats - 1) * cfg.num_prompts
+                            bar.refresh()
     finally:
         if own_bar:
             bar.close()
@@ -275,20 +295,32 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
         raise ValueError("give --base-url or --server-cmd, not both")
     if min(cfg.ks, default=0) < 1 or min(cfg.concurrency, default=0) < 1 or cfg.repeats < 1 or cfg.num_prompts < 1:
         raise ValueError("--k, --concurrency, --repeats and --num-prompts must be >= 1")
+    if cfg.prune_margin is not None and not 0 <= cfg.prune_margin < 1:
+        raise ValueError(f"--prune-margin must be in [0, 1), got {cfg.prune_margin}")
+    if cfg.server_cmd and cfg.prune_margin:
+        raise ValueError("--prune-margin works with --base-url only: with --server-cmd each server runs all its "
+                         "repeats before the next one starts, so no profile can be dropped after the first repeat")
+    if cfg.prune_margin is None:
+        cfg.prune_margin = DEFAULT_PRUNE_MARGIN if cfg.base_url else 0.0
     datasets.parse_dataset_arg(",".join(cfg.segments))
     profiles = plan_profiles(cfg)
     t0 = time.perf_counter()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     tag = hashlib.sha256(f"{started}{os.getpid()}".encode()).hexdigest()[:6]
+    pruned: dict[tuple[str, int], dict[str, float]] = {}
     if cfg.base_url:
-        runs = asyncio.run(sweep_server(cfg, profiles, tag))
+        runs = asyncio.run(sweep_server(cfg, profiles, tag, pruned))
     else:
         runs = asyncio.run(sweep_external(cfg, profiles, log_dir))
     rows = summarize_runs(runs)
+    for r in rows:
+        r["pruned"] = r["profile"] in pruned.get((r["segment"], r["concurrency"]), {})
     recs = recommend(rows, profiles, cfg.min_noise)
     cfg_d = asdict(cfg)
     cfg_d.pop("admin_token", None)
     return {"schema": SCHEMA, "started": started, "config": cfg_d, "profiles": profiles, "runs": runs, "rows": rows,
             "recommendations": recs, "recommended_profiles": recommended_profiles(recs, profiles),
+            "pruned": [{"segment": seg, "concurrency": conc, "profile": p, "first_repeat_speedup": sp}
+                       for (seg, conc), cut in pruned.items() for p, sp in cut.items()],
             "errors": sum(int(r["metrics"].get("num_errors") or 0) for r in runs),
             "wall_s": round(time.perf_counter() - t0, 1)}

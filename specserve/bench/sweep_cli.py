@@ -24,7 +24,8 @@ EPILOG = """examples:
 Profiles are named baseline, <method>_k<k> and <method>_adaptive (num_speculative_tokens = the largest
 --k, "num_speculative_tokens_schedule": "adaptive"). Speedup = baseline TPOT / profile TPOT in the same
 repeat; the recommendation per (segment, concurrency) is the smallest k within the noise of the best
-median (the baseline, k = 0, included)."""
+median (the baseline, k = 0, included). With --base-url, profiles more than --prune-margin below the
+best after the first repeat are not run again in that (segment, concurrency) and are not recommended."""
 
 
 def _csv(kind):
@@ -79,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per profile, not counted (default 1)")
     p.add_argument("--min-noise", type=float, default=0.02,
                    help="smallest speedup difference that counts as real (default 0.02)")
+    p.add_argument("--prune-margin", type=float, default=None,
+                   help="with --base-url: after the first repeat of a (segment, concurrency), stop running the "
+                        "profiles whose speedup is more than this fraction below the best there (default 0.15; "
+                        "0 runs every profile in every repeat; not with --server-cmd)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-dir", help="where to write files (default sweep-results/<UTC time>)")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         adaptive=not args.no_adaptive, method_options=args.method_options, concurrency=args.concurrency,
         segments=parse_dataset_arg(args.segments), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         max_prompt_chars=args.max_prompt_chars, repeats=args.repeats, seed=args.seed, warmup=args.warmup,
-        min_noise=args.min_noise, timeout_s=args.timeout, progress=not args.no_progress)
+        min_noise=args.min_noise, prune_margin=args.prune_margin, timeout_s=args.timeout, progress=not args.no_progress)
     out = Path(args.output_dir or f"sweep-results/{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -25,7 +25,8 @@ def _cell(row: dict) -> str:
     s = row["speedup"]
     if s["median"] is None:
         return "-"
-    return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]" + (" !" if row["errors"] else "")
+    return (f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]" + (" !" if row["errors"] else "")
+            + (" pruned" if row.get("pruned") else ""))
 
 
 def table_text(result: dict) -> str:
@@ -38,7 +39,8 @@ def table_text(result: dict) -> str:
 
 
 def print_table(result: dict, file=None) -> None:
-    """Per segment: profiles x concurrency, median TPOT speedup [min-max over repeats]; * = recommended."""
+    """Per segment: profiles x concurrency, median TPOT speedup [min-max over repeats]; * = recommended;
+    `pruned` = dropped after the first repeat (one value)."""
     from rich.console import Console
     from rich.table import Table
 

@@ -16,6 +16,11 @@ TTFT and acceptance. `recommend` picks per (segment, concurrency) the profile to
 
 So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
 k only where it beats a shallower one by more than the noise. `consistent` checks a re-run against it.
+
+`prune` is the sweep's successive-halving cut (Jamieson & Talwalkar 2016, one round): after the first
+repeat of a (segment, concurrency), a profile whose speedup is more than a margin below the best one's
+is not run again there; its row is marked `pruned` and it is never recommended (one repeat has no
+spread to compare within).
 What it does not do: run anything or draw anything (see `sweep.py`, `sweep_report.py`).
 """
 
@@ -84,6 +89,40 @@ def summarize_runs(runs: list[dict], baseline: str = BASELINE) -> list[dict]:
     return out
 
 
+def prune(runs: list[dict], margin: float, baseline: str = BASELINE) -> dict[tuple[str, int], dict[str, float]]:
+    """The profiles to drop after one repeat, per (segment, concurrency).
+
+    Args:
+        runs: the runs of one repeat (as `summarize_runs` takes them), the baseline's among them.
+        margin: a fraction in [0, 1): a profile is dropped when its TPOT speedup is below
+            (1 - margin) x the best speedup of its (segment, concurrency); the baseline counts at 1.0.
+        baseline: the reference profile, never dropped.
+
+    Returns:
+        {(segment, concurrency): {dropped profile: its speedup}}; a group without a baseline run, and a
+        profile without a speedup (no TPOT), drops nothing.
+
+    Raises:
+        ValueError: margin outside [0, 1).
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"the prune margin must be in [0, 1), got {margin}")
+    out: dict[tuple[str, int], dict[str, float]] = {}
+    for row in summarize_runs(runs, baseline):
+        s = row["speedup"]["median"]
+        if s is not None:
+            out.setdefault((row["segment"], row["concurrency"]), {})[row["profile"]] = s
+    cut = {}
+    for key, speedups in out.items():
+        if baseline not in speedups:
+            continue
+        best = max(speedups.values())
+        dropped = {p: s for p, s in speedups.items() if p != baseline and s < (1 - margin) * best}
+        if dropped:
+            cut[key] = dropped
+    return cut
+
+
 def _half_range(row: dict) -> float:
     s = row["speedup"]
     return (s["max"] - s["min"]) / 2 if s["min"] is not None and s["max"] is not None else 0.0
@@ -93,14 +132,14 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
     """Per (segment, concurrency), the profile to serve (see the module docstring).
 
     Args:
-        rows: `summarize_runs` output.
+        rows: `summarize_runs` output; rows with a true `pruned` are left out (see `prune`).
         profiles: name -> speculative config dict (None = no speculation), for k and the schedule.
         min_noise: smallest noise band (a speedup difference, e.g. 0.02).
 
     Returns:
         dicts: segment, concurrency, profile, speedup (its median), spread [min, max], best (the
         profile with the highest median), best_speedup, within_noise (profiles as good as the best),
-        reason (one line).
+        reason (one line), pruned (profiles left out after the first repeat).
     """
     def k_key(name: str) -> tuple[int, int]:
         cfg = profiles.get(name)
@@ -111,8 +150,8 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
 
     out = []
     for seg, conc in dict.fromkeys((r["segment"], r["concurrency"]) for r in rows):
-        group = [r for r in rows if (r["segment"], r["concurrency"]) == (seg, conc) and r["speedup"]["median"] is not None
-                 and not r["errors"]]
+        mine = [r for r in rows if (r["segment"], r["concurrency"]) == (seg, conc)]
+        group = [r for r in mine if r["speedup"]["median"] is not None and not r["errors"] and not r.get("pruned")]
         if not group:
             continue
         best = max(group, key=lambda r: r["speedup"]["median"])
@@ -128,7 +167,8 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
         out.append({"segment": seg, "concurrency": conc, "profile": pick["profile"],
                     "speedup": pick["speedup"]["median"], "spread": [pick["speedup"]["min"], pick["speedup"]["max"]],
                     "best": best["profile"], "best_speedup": best["speedup"]["median"],
-                    "within_noise": [r["profile"] for r in close], "reason": why})
+                    "within_noise": [r["profile"] for r in close], "reason": why,
+                    "pruned": [r["profile"] for r in mine if r.get("pruned")]})
     return out
 
 

@@ -32,10 +32,11 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
         argv = ["sweep", "--base-url", srv.base_url + "/v1", "--admin-token", "t", "--methods", "ngram,suffix",
                 "--k", "2,4", "--concurrency", "1,2", "--segments", "code,chat", "--num-prompts", "2",
                 "--max-tokens", "8", "--repeats", "2", "--no-progress", "--output-dir", str(tmp_path)]
-        assert main(argv) == 0
+        assert main(argv + ["--prune-margin", "0"]) == 0
         out = capsys.readouterr().out
-        # a second sweep on the same server adds its own profiles (no clash with the first one's)
-        assert main(argv[:-1] + [str(tmp_path / "again")]) == 0
+        # a second sweep on the same server adds its own profiles (no clash with the first one's); it prunes
+        # after the first repeat with a margin so wide that only the best and the baseline survive
+        assert main(argv[:-1] + [str(tmp_path / "again"), "--prune-margin", "0.001"]) == 0
         capsys.readouterr()
         import httpx
 
@@ -69,6 +70,16 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
     assert len(added) == 2 * (len(names) - 1)
     caps = {profiles[n]["config"].get("suffix_decoding_max_cached_requests") for n in added if "suffix" in n}
     assert len(caps) == 6
+    # the pruned re-run: the second repeat of each (segment, concurrency) ran only the profiles not pruned,
+    # the pruned rows are marked, and no recommendation names one
+    again = json.loads((tmp_path / "again" / "sweep.json").read_text())
+    assert again["config"]["prune_margin"] == 0.001 and again["pruned"]
+    cut = {(p["segment"], p["concurrency"], p["profile"]) for p in again["pruned"]}
+    second = {(r["segment"], r["concurrency"], r["profile"]) for r in again["runs"] if r["repeat"] == 1}
+    assert not cut & second and len(second) + len(cut) == 2 * 2 * len(names)
+    assert {(r["segment"], r["concurrency"], r["profile"]) for r in again["rows"] if r["pruned"]} == cut
+    assert all((r["segment"], r["concurrency"], r["profile"]) not in cut for r in again["recommendations"])
+    assert not any(p["profile"] == "baseline" for p in again["pruned"])
 
 
 def test_sweep_external_servers_from_a_template(tiny, tmp_path, capsys):
@@ -93,5 +104,9 @@ def test_sweep_usage_errors(capsys):
     assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--segments", "nope"]) == 2
     assert "unknown dataset" in capsys.readouterr().err
     assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--k", "0"]) == 2
+    assert main(["sweep", "--server-cmd", "true", "--prune-margin", "0.2"]) == 2
+    assert "--prune-margin works with --base-url only" in capsys.readouterr().err
+    assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--prune-margin", "1.5"]) == 2
+    assert "--prune-margin must be in [0, 1)" in capsys.readouterr().err
     assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--admin-token", "x"]) == 2
     assert "cannot reach" in capsys.readouterr().err

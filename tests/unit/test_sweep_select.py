@@ -4,7 +4,7 @@ when nothing beats it by more than the noise, and a re-run's consistency."""
 
 import pytest
 
-from specserve.bench.sweep_select import consistent, recommend, recommended_profiles, summarize_runs
+from specserve.bench.sweep_select import consistent, prune, recommend, recommended_profiles, summarize_runs
 
 PROFILES = {
     "baseline": None,
@@ -85,3 +85,26 @@ def test_consistency_of_a_rerun():
     other = recommend(summarize_runs(runs_from({"baseline": [100, 100], "ngram_adaptive": [30, 31]})), PROFILES)
     verdict = consistent(first, other)
     assert not verdict["all"] and verdict["by_key"]["code c=1"] == {"first": "ngram_k2", "again": "ngram_adaptive", "ok": False}
+
+
+def test_prune_drops_profiles_more_than_the_margin_below_the_best():
+    runs = runs_from({"baseline": [100], "ngram_k2": [60], "ngram_k8": [40], "ngram_adaptive": [44]})
+    runs += runs_from({"baseline": [100], "ngram_k2": [105], "ngram_k8": [130]}, segment="chat")
+    cut = prune(runs, 0.15)
+    # code: best 2.5x; 2.27x (adaptive) is within 15% of it, 1.67x (k2) is not; the baseline is never dropped.
+    # chat: the best is the baseline at 1.0; k8 (0.77x) is more than 15% below it, k2 (0.95x) is not
+    assert cut == {("code", 1): {"ngram_k2": pytest.approx(100 / 60)},
+                   ("chat", 1): {"ngram_k8": pytest.approx(100 / 130)}}
+    # margin 0: everything below the best goes; a group without a baseline run drops nothing
+    assert set(prune(runs, 0.0)[("code", 1)]) == {"ngram_k2", "ngram_adaptive"}
+    assert prune(runs_from({"ngram_k2": [60], "ngram_k8": [40]}), 0.15) == {}
+    with pytest.raises(ValueError, match="prune margin"):
+        prune(runs, 1.0)
+
+
+def test_pruned_rows_are_never_recommended():
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k2": [60, 61], "ngram_k8": [30]}))
+    for r in rows:
+        r["pruned"] = r["profile"] == "ngram_k8"
+    (rec,) = recommend(rows, PROFILES)
+    assert rec["profile"] == "ngram_k2" and rec["pruned"] == ["ngram_k8"] and "ngram_k8" not in rec["within_noise"]
