@@ -6,7 +6,13 @@ T = 1..16 new tokens (and a sparser grid above), and B sequences of one token ea
 timed `repeats` times in rotating order after a short warm-up (on a CPU by the process's CPU time, on
 CUDA by the wall clock), and the fastest timing kept (`fit`). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
 (piecewise linear between measured points, linear beyond the last) and e(B) the extra cost of B
-sequences over one sequence of the same token count (attention and metadata per sequence). The step
+sequences over one sequence of the same token count (attention and metadata per sequence).
+On CUDA that sum does not describe the device: steps run as CUDA graphs bucketed by (sequences, tokens
+per sequence), so one sequence of 32 new tokens runs eagerly (~11 ms for the 0.5b on the H200) while 16
+sequences of 2 tokens replay a graph (~1.3 ms). There the measurement also times uniform batches, B
+sequences of q new tokens each (the shapes decode and verify steps have), and forward_ms(T, B) for B >= 2
+interpolates that grid at q = T / B (bilinear; beyond the grid's B, linear), falling back to f + e only
+for steps with more tokens per sequence than the grid (a prefill chunk is in them). The step
 time outside the forward (proposing, sampling, stop checks, detokenizing) is fitted online as
 overhead_ms + draft_overhead_ms x (draft tokens verified in the step), and `step_ms` adds it: on a fast
 GPU at 16 concurrent requests the host work that grows with the drafts (more rows to sample and commit)
@@ -32,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = "specserve.step_cost/1"
+SCHEMA = "specserve.step_cost/2"  # /2: the uniform-batch grid (CUDA); /1 tables are measured again
 DENSE_TOKENS = 16  # T = 1..16 are all measured: CPU GEMM kernels step up every few rows
 
 
@@ -50,6 +56,9 @@ class StepCostModel:
         meta: how and where it was measured (model, dtype, device, threads, context, repeats, time).
         draft_overhead_ms: extra step time outside the forward per draft token verified (ms), fitted
             online together with overhead_ms; never negative.
+        batch_seqs, batch_qlens, batch_ms: the uniform-batch grid (empty when not measured, as on a CPU):
+            batch_ms[i][j] = ms of one forward over batch_seqs[i] (>= 2) sequences of batch_qlens[j] new
+            tokens each; both grids ascending.
     """
 
     tokens: list[int]
@@ -59,6 +68,9 @@ class StepCostModel:
     overhead_ms: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
     draft_overhead_ms: float = 0.0
+    batch_seqs: list[int] = field(default_factory=list)
+    batch_qlens: list[int] = field(default_factory=list)
+    batch_ms: list[list[float]] = field(default_factory=list)
     # online fit state: steps seen, and weighted means E[d], E[o], E[d*d], E[d*o] (d drafts, o overhead ms)
     _n: int = field(default=0, repr=False, compare=False)
     _moments: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0], repr=False, compare=False)
@@ -71,6 +83,13 @@ class StepCostModel:
             raise ValueError("StepCostModel grids must be strictly ascending")
         if not self.seqs or self.seqs[0] != 1 or len(self.seqs) != len(self.seq_extra_ms):
             raise ValueError("StepCostModel needs seq_extra_ms for a sequence grid that starts at 1")
+        if self.batch_seqs or self.batch_qlens or self.batch_ms:
+            bs, qs = self.batch_seqs, self.batch_qlens
+            if (not bs or not qs or bs[0] < 2 or qs[0] < 1 or any(b <= a for a, b in zip(bs, bs[1:]))
+                    or any(b <= a for a, b in zip(qs, qs[1:]))):
+                raise ValueError("StepCostModel's batch grid needs ascending batch_seqs >= 2 and batch_qlens >= 1")
+            if len(self.batch_ms) != len(bs) or any(len(row) != len(qs) for row in self.batch_ms):
+                raise ValueError("StepCostModel's batch_ms must be len(batch_seqs) rows of len(batch_qlens) values")
 
     @staticmethod
     def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -89,8 +108,14 @@ class StepCostModel:
             return 0.0
         ms = self._memo.get((num_tokens, num_seqs))  # the adaptive schedule asks for the same points every step
         if ms is None:
-            extra = self._interp(self.seqs, self.seq_extra_ms, max(num_seqs, 1)) if num_seqs > 1 else 0.0
-            ms = self._memo[(num_tokens, num_seqs)] = max(self._interp(self.tokens, self.token_ms, num_tokens) + extra, 0.0)
+            q = num_tokens / max(num_seqs, 1)
+            if self.batch_ms and num_seqs >= self.batch_seqs[0] and q <= self.batch_qlens[-1]:
+                by_seqs = [self._interp(self.batch_qlens, row, q) for row in self.batch_ms]
+                ms = self._interp(self.batch_seqs, by_seqs, num_seqs)
+            else:
+                extra = self._interp(self.seqs, self.seq_extra_ms, max(num_seqs, 1)) if num_seqs > 1 else 0.0
+                ms = self._interp(self.tokens, self.token_ms, num_tokens) + extra
+            ms = self._memo[(num_tokens, num_seqs)] = max(ms, 0.0)
         return ms
 
     def step_ms(self, num_tokens: int, num_seqs: int = 1, num_draft_tokens: int = 0) -> float:
@@ -135,7 +160,9 @@ class StepCostModel:
         if d.get("schema") != SCHEMA:
             raise ValueError(f"not a {SCHEMA} table")
         return cls(list(d["tokens"]), [float(x) for x in d["token_ms"]], list(d["seqs"]),
-                   [float(x) for x in d["seq_extra_ms"]], 0.0, dict(d.get("meta") or {}))
+                   [float(x) for x in d["seq_extra_ms"]], 0.0, dict(d.get("meta") or {}),
+                   batch_seqs=list(d.get("batch_seqs") or []), batch_qlens=list(d.get("batch_qlens") or []),
+                   batch_ms=[[float(x) for x in row] for row in d.get("batch_ms") or []])
 
     def summary(self) -> str:
         """One line: decode ms and the cost of 1 + k tokens relative to it, e.g. for the serve log."""
@@ -166,9 +193,16 @@ def seq_grid(max_seqs: int) -> list[int]:
     return grid
 
 
-def fit(token_points: dict[int, list[float]], seq_points: dict[int, list[float]], meta: dict | None = None) -> StepCostModel:
+def qlen_grid(max_qlen: int) -> list[int]:
+    """q = 1..9 (1 + k for the usual k), then 12 and 16, up to max_qlen."""
+    return [q for q in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16) if q <= max_qlen]
+
+
+def fit(token_points: dict[int, list[float]], seq_points: dict[int, list[float]], meta: dict | None = None,
+        batch_points: dict[tuple[int, int], list[float]] | None = None) -> StepCostModel:
     """Build the model from repeated timings (ms): `token_points[T]` = forwards of one sequence with T
-    tokens, `seq_points[B]` = forwards of B sequences of one token each (B >= 2).
+    tokens, `seq_points[B]` = forwards of B sequences of one token each (B >= 2), and optionally
+    `batch_points[(B, q)]` = forwards of B sequences (>= 2) of q tokens each, a full grid.
 
     Each point keeps its fastest timing: on a shared machine noise only ever adds time, and the fastest
     of a few rotated rounds is the forward's own cost. No shape is imposed: more tokens can cost less
@@ -183,23 +217,40 @@ def fit(token_points: dict[int, list[float]], seq_points: dict[int, list[float]]
         if b >= 2:
             seqs.append(b)
             extra.append(max(min(seq_points[b]) - partial.forward_ms(b), 0.0))
-    return StepCostModel(tokens, token_ms, seqs, extra, 0.0, dict(meta or {}))
+    bs = sorted({b for b, _ in batch_points or {}})
+    qs = sorted({q for _, q in batch_points or {}})
+    grid = [[min(batch_points[(b, q)]) for q in qs] for b in bs] if bs else []
+    return StepCostModel(tokens, token_ms, seqs, extra, 0.0, dict(meta or {}), batch_seqs=bs, batch_qlens=qs,
+                         batch_ms=grid)
 
 
 def measure(run_forward: Callable[[list[int]], float], tokens: list[int], seqs: list[int], repeats: int = 3,
-            target_s: float = 3.0, max_repeats: int = 15) -> StepCostModel:
-    """Time `run_forward(new_tokens_per_seq)` (returns ms of one forward) over the grids and fit.
+            target_s: float = 3.0, max_repeats: int = 15, qlens: Sequence[int] = ()) -> StepCostModel:
+    """Time `run_forward(new_tokens_per_seq)` (returns ms of one forward) over the grids and fit; with
+    `qlens`, also B sequences of q tokens each for every B >= 2 of `seqs` and q of `qlens`.
 
     Three warm-up forwards (dropped), then at least `repeats` rounds, more (up to `max_repeats`) while
     they fit in about `target_s` seconds (fast devices get more samples against jitter). Each round
     visits every point in an order rotated by one per round, so that slow phases of a shared machine
     hit every point alike; `fit` keeps the fastest timing of each point.
     """
-    points: list[tuple[str, int]] = [("t", t) for t in tokens] + [("b", b) for b in seqs if b >= 2]
+    uniform = [(b, q) for b in seqs if b >= 2 for q in qlens]
+    points: list[tuple[str, Any]] = ([("t", t) for t in tokens] + [("b", b) for b in seqs if b >= 2]
+                                     + [("u", bq) for bq in uniform])
     tok: dict[int, list[float]] = {t: [] for t in tokens}
     seq: dict[int, list[float]] = {b: [] for b in seqs if b >= 2}
+    batch: dict[tuple[int, int], list[float]] = {bq: [] for bq in uniform}
+
+    def shape(kind: str, n: Any) -> list[int]:
+        return [n] if kind == "t" else [1] * n if kind == "b" else [n[1]] * n[0]
+
+    def store(kind: str, n: Any) -> list[float]:
+        return tok[n] if kind == "t" else seq[n] if kind == "b" else batch[n]
+
     for kind, n in (points[0], points[0], points[len(tokens) - 1]):  # warm-up (weights paged in, caches built)
-        run_forward([n] if kind == "t" else [1] * n)
+        run_forward(shape(kind, n))
+    for bq in uniform:  # every batch shape once, not timed (its kernels' first launch)
+        run_forward(shape("u", bq))
     first_s = 0.0
     rounds = repeats
     for r in range(max_repeats):
@@ -208,11 +259,11 @@ def measure(run_forward: Callable[[list[int]], float], tokens: list[int], seqs: 
         shift = r % len(points)
         t0 = time.perf_counter()
         for kind, n in points[shift:] + points[:shift]:
-            (tok if kind == "t" else seq)[n].append(run_forward([n] if kind == "t" else [1] * n))
+            store(kind, n).append(run_forward(shape(kind, n)))
         if r == 0:
             first_s = time.perf_counter() - t0
             rounds = min(max_repeats, max(repeats, int(target_s / max(first_s, 1e-6))))
-    return fit(tok, seq, {"repeats": rounds, "round_s": round(first_s, 3)})
+    return fit(tok, seq, {"repeats": rounds, "round_s": round(first_s, 3)}, batch)
 
 
 def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 256, repeats: int = 3,
@@ -262,7 +313,10 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
             return 1000 * (clock() - t0)
 
         t0 = time.perf_counter()
-        cm = measure(run_forward, token_grid(max_tokens), seq_grid(len(slots)), repeats, target_s)
+        # on CUDA, decode and verify steps replay graphs bucketed by (sequences, tokens per sequence)
+        max_qlen = getattr(getattr(runner, "buckets", None), "max_qlen", 16)
+        cm = measure(run_forward, token_grid(max_tokens), seq_grid(len(slots)), repeats, target_s,
+                     qlens=qlen_grid(min(max_qlen, max_tokens)) if cuda else ())
     finally:
         for s in slots:
             kv.free(s)

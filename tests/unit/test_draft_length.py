@@ -76,7 +76,10 @@ def test_draft_model_k_is_chosen_before_it_drafts():
     assert 0 <= k < 6 and (prop.calls == [[("d", k)]] if k else prop.calls == [])
 
 
-def test_hopeless_requests_skip_a_costly_proposer_but_probe():
+def test_hopeless_requests_skip_a_costly_proposer_but_probe(monkeypatch):
+    # rest steps follow the decision's wall time (5 ms here, more on a loaded machine): off, so that
+    # this test sees only the probing
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
     prop = Scripted([9] * 8, delay_ms=5.0)  # 5 ms per request against a ~100 ms step: matters (>= 1%)
     ad = AdaptiveK(FLAT, lambda c: prop)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from specserve.engine.step_cost import (
-    StepCostModel, fit, load_or_measure, measure, measure_model, seq_grid, token_grid,
+    StepCostModel, fit, load_or_measure, measure, measure_model, qlen_grid, seq_grid, token_grid,
 )
 
 
@@ -60,7 +60,41 @@ def test_roundtrip_and_schema():
         StepCostModel.from_dict({"schema": "other"})
 
 
+def graph_like(per_seq: list[int]) -> float:
+    """A CUDA-shaped forward: decode/verify shapes (<= 16 tokens per sequence) replay a graph, about
+    1 ms plus a little per sequence and token; one sequence of more tokens runs eagerly at 11 ms."""
+    if max(per_seq) > 16:
+        return 11.0 + 0.01 * sum(per_seq)
+    return 1.0 + 0.02 * len(per_seq) + 0.002 * sum(per_seq)
+
+
+def test_uniform_batch_grid_models_graph_shapes():
+    seqs, qlens = [1, 2, 4, 8, 16], qlen_grid(16)
+    cm = measure(graph_like, token_grid(32), seqs, repeats=1, target_s=0.0, qlens=qlens)
+    assert cm.batch_seqs == [2, 4, 8, 16] and cm.batch_qlens == [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16]
+    # 16 sequences of 2 tokens: the graph's cost, not one 32-token sequence's eager forward plus e(16)
+    assert cm.forward_ms(32, 16) == pytest.approx(graph_like([2] * 16))
+    assert cm.forward_ms(16 * 5, 16) == pytest.approx(graph_like([5] * 16))
+    assert cm.forward_ms(24, 16) == pytest.approx((graph_like([1] * 16) + graph_like([2] * 16)) / 2)  # q = 1.5
+    assert cm.forward_ms(12 * 3, 12) == pytest.approx((graph_like([3] * 8) + graph_like([3] * 16)) / 2)  # B between
+    assert cm.forward_ms(32 * 2, 32) > cm.forward_ms(16 * 2, 16)  # beyond the grid's B: the last slope
+    assert cm.forward_ms(32) == pytest.approx(graph_like([32]))  # one sequence: the token curve
+    assert cm.forward_ms(4 * 40, 4) == pytest.approx(cm._interp(cm.tokens, cm.token_ms, 160) + cm.seq_extra_ms[2])
+    back = StepCostModel.from_dict(json.loads(json.dumps(cm.to_dict())))
+    assert back.batch_ms == cm.batch_ms and back.forward_ms(32, 16) == pytest.approx(cm.forward_ms(32, 16))
+    with pytest.raises(ValueError, match="batch_ms"):
+        StepCostModel([1], [1.0], batch_seqs=[2, 4], batch_qlens=[1], batch_ms=[[1.0]])
+    with pytest.raises(ValueError, match="batch grid"):
+        StepCostModel([1], [1.0], batch_seqs=[1, 4], batch_qlens=[1], batch_ms=[[1.0], [2.0]])
+    # without the grid (a CPU measurement) the same query is f(32) + e(16)
+    cpu = measure(graph_like, token_grid(32), seqs, repeats=1, target_s=0.0)
+    assert not cpu.batch_ms and cpu.forward_ms(32, 16) > 11.0
+    with pytest.raises(ValueError, match="step_cost/2"):  # a table of the old schema is measured again
+        StepCostModel.from_dict({**cpu.to_dict(), "schema": "specserve.step_cost/1"})
+
+
 def test_grids():
+    assert qlen_grid(5) == [1, 2, 3, 4, 5] and qlen_grid(16)[-3:] == [9, 12, 16]
     assert token_grid(4) == [1, 2, 3, 4]
     assert token_grid(32) == list(range(1, 17)) + [24, 32]
     assert token_grid(100)[-1] == 100 and all(b > a for a, b in zip(token_grid(100), token_grid(100)[1:]))
