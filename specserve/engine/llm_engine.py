@@ -102,6 +102,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._proposers: dict[Any, Proposer] = {}
+        # proposers' `prepare` runs between a step's launches and its device-to-host copy: on CUDA the
+        # launches return at once, so it overlaps the GPU; on a CPU the forward has already run (tests
+        # turn it on there to check that it changes no output)
+        self.overlap_host_work = self.device.type == "cuda"
         self.proposer_context = ProposerContext(
             device=self.device,
             dtype=str(self.target.dtype).removeprefix("torch."),
@@ -367,9 +371,15 @@ class LLMEngine:
             logits = self.target.runner.execute(plan.model_input(self.device))
             t_fwd = time.perf_counter() - t_fwd
             result = None
+            overlap = self.overlap_host_work
             if plan.sampled:
                 batch = SamplingBatch.build(plan.sampled, self.target.config.vocab_size, self.eos_token_ids, self.device)
-                result = to_host(verify(logits, batch), batch)
+                verified = verify(logits, batch)
+                if overlap:
+                    self._prepare_proposers(plan)
+                result = to_host(verified, batch)
+            elif overlap:
+                self._prepare_proposers(plan)
         except Exception:
             kv = self.target.kv
             for s in plan.scheduled:  # leave every request as it was before the step
@@ -386,6 +396,22 @@ class LLMEngine:
             # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
             cm.observe_overhead(max(over - self.adaptive.take_decide_ms(), 0.0), plan.num_draft_tokens)
         return outputs
+
+    def _prepare_proposers(self, plan: StepPlan) -> None:
+        """While the device runs the step (CUDA): each proposer's host work that needs no new tokens
+        (its optional `prepare`, spec_decode/proposer.py): a suffix tree ingests a new prompt, or a
+        finished request's output, here instead of in the next step's drafting. Only requests whose
+        config may draft at this batch size are passed (a batch-size table's k = 0 never ingests)."""
+        groups: dict[Any, list[Request]] = {}
+        for s in plan.scheduled:
+            cfg = s.request.spec_config
+            if cfg is not None and cfg.k_for_batch_size(len(plan.scheduled)) > 0:
+                groups.setdefault(proposer_key(cfg), []).append(s.request)
+        for key, prop in self._proposers.items():
+            prepare = getattr(prop, "prepare", None)
+            if prepare is not None:
+                prepare([ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, 0, r.params, r.seed)
+                         for r in groups.get(key, ())])
 
     def _propose(self, asks: Sequence[tuple[Request, int]]) -> list[Proposal]:
         """The scheduler's `propose` callback: one Proposal per (request, k cap), grouped by proposer."""

@@ -57,7 +57,7 @@ class ProposalInput:
             The proposer must not mutate it.
         num_prompt_tokens: how many of `token_ids` are prompt.
         num_speculative_tokens: k, the most drafts to return (>= 1), already capped so that the step cannot pass max_tokens or
-            the context length.
+            the context length (0 only in `prepare`, which drafts nothing).
         sampling_params: the request's sampling parameters (a draft model samples with them).
         seed: the request's sampling seed; a sampling draft model draws its draft at output position m
             with `uniform(seed_key(seed), m, Purpose.DRAFT)` (`specserve.sample.uniforms`), so that
@@ -114,3 +114,11 @@ class Proposer(Protocol):
 # position) has a method `draft_step_cost() -> StepCostModel` giving the time of one of its forwards;
 # the adaptive schedule then chooses k before it drafts and counts that time. A proposer without it
 # (ngram, suffix) drafts the most tokens allowed, and the schedule cuts the drafts to the chosen k.
+#
+# Optional: a proposer with host work that does not depend on the next step's tokens (a suffix
+# proposer ingesting a new prompt into its tree, or a finished request's output into its global
+# tree) has a method `prepare(inputs: list[ProposalInput]) -> None`: bring its state up to date with
+# each input's token_ids (num_speculative_tokens is 0) and do any deferred work, drafting nothing. On
+# CUDA the engine calls it while the device runs the step's forward (docs/step-plan.md), so that this
+# work overlaps the GPU instead of delaying the next step; the results of `propose` must not depend on
+# whether or when it was called.

@@ -258,3 +258,31 @@ def test_k_policy_never_changes_committed_tokens(llm, base, tiny_model_dir, monk
         assert done[f"rk-{i}"].token_ids == want, (cfg.method, sp.seed, p)
     assert 0 in policy.verified and len(set(policy.verified)) > 3  # k = 0 steps and several block sizes
     assert eng.stats()["num_kv_tokens"] == 0
+
+
+def test_prepare_in_the_gpu_window_changes_no_output(tiny_model_dir, monkeypatch):
+    """The suffix proposer's `prepare` (run on CUDA while the device computes) gives the same greedy
+    tokens; it gets the requests that may draft at the step's batch size, not those a batch-size table
+    gives k = 0."""
+    from specserve.spec_decode.suffix import SuffixProposer
+
+    llm = LLM(str(tiny_model_dir), max_model_len=256, max_num_seqs=16)
+    eng = llm.engine
+    suffix = SpeculativeConfig("suffix", 4)
+    never = SpeculativeConfig("suffix", 4, num_speculative_tokens_per_batch_size=[[1, 16, 0]],
+                              suffix_decoding_max_cached_requests=9)
+    want = {c: llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=c) for c in (suffix, never)}
+    seen: list[str] = []
+    real = SuffixProposer.prepare
+
+    def spy(self, inputs):
+        seen.extend(i.request_id for i in inputs)
+        return real(self, inputs)
+
+    monkeypatch.setattr(SuffixProposer, "prepare", spy)
+    eng.overlap_host_work = True
+    for c in (suffix, never):
+        seen.clear()
+        got = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=c)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want[c]]
+        assert bool(seen) == (c is suffix)

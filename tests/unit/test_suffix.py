@@ -264,3 +264,43 @@ def test_dropped_trees_are_freed_without_the_cyclic_gc():
         assert gc.collect() == 0  # nothing was left in reference cycles
     finally:
         gc.enable()
+
+
+def test_prepare_changes_no_draft_and_defers_nothing_observable():
+    """`prepare` (the engine runs it while the GPU computes) ingests prompts and flushes finished outputs
+    into the global tree; every draft is the same whether and whenever it ran."""
+    rng = random.Random(11)
+    prompts = {f"r{i}": [rng.randrange(6) for _ in range(rng.randrange(5, 60))] for i in range(12)}
+    outputs = {rid: [rng.randrange(6) for _ in range(30)] for rid in prompts}
+    plain = SuffixProposer(cfg(suffix_decoding_max_cached_requests=4))
+    prepared = SuffixProposer(cfg(suffix_decoding_max_cached_requests=4))
+    live: list[str] = []
+    steps: dict[str, int] = {}  # request id -> output tokens committed so far
+    for rid in prompts:  # requests arrive, decode a few tokens each step, finish in arrival order
+        live.append(rid)
+        for _ in range(3):
+            states = [inp(r, prompts[r] + outputs[r][: steps.setdefault(r, 0)], n_prompt=len(prompts[r])) for r in live]
+            if rng.random() < 0.7:
+                prepared.prepare(states)
+            for s in states:
+                assert plain.draft(s) == prepared.draft(s)
+                steps[s.request_id] += 1
+        if len(live) > 3:
+            done = live.pop(0)
+            full = prompts[done] + outputs[done][: steps[done]]
+            plain.finish_request(done, full)
+            prepared.finish_request(done, full)
+            if rng.random() < 0.5:
+                prepared.prepare([])
+            assert plain.cached_requests == prepared.cached_requests
+    assert plain.global_tree.seqs == prepared.global_tree.seqs
+
+
+
+def test_prepare_ingests_without_drafting():
+    p = SuffixProposer(cfg())
+    p.prepare([inp("a", [1, 2, 3, 1, 2], k=8)])
+    assert p.active_requests == ["a"] and p._requests["a"][0].seqs[0] == [1, 2, 3, 1, 2]
+    p.draft(inp("a", [1, 2, 3, 1, 2], n_prompt=5))
+    p.finish_request("a", [1, 2, 3, 1, 2, 3, 4])
+    assert p._finished and p.cached_requests == ["a"] and not p._finished  # flushed when looked at
