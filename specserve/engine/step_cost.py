@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 logger = logging.getLogger(__name__)
 
 SCHEMA = "specserve.step_cost/2"  # /2: the uniform-batch grid (CUDA); /1 tables are measured again
+RIDGE_TOKENS2 = 4.0  # the overhead fit's ridge term (draft tokens squared), see observe_overhead
 DENSE_TOKENS = 16  # T = 1..16 are all measured: CPU GEMM kernels step up every few rows
 
 
@@ -130,10 +131,14 @@ class StepCostModel:
 
     def observe_overhead(self, ms: float, num_draft_tokens: int = 0, weight: float = 0.05) -> None:
         """Fold one step's time outside the forward (`ms`) and the draft tokens it verified into the fit
-        overhead = overhead_ms + draft_overhead_ms x draft tokens: exponentially weighted least squares
-        (a plain running mean over the first 1/weight steps, then `weight` per step). The slope is
-        refitted only while the draft tokens per step vary (weighted variance >= 1 token^2: a run of
-        identical steps cannot tell base from slope) and is kept >= 0. A negative `ms` is ignored."""
+        overhead = overhead_ms + draft_overhead_ms x draft tokens: exponentially weighted ridge
+        regression (a plain running mean over the first 1/weight steps, then `weight` per step; the
+        slope is cov(d, o) / (var(d) + RIDGE_TOKENS2), kept >= 0). The ridge term pulls the slope to 0
+        while the draft tokens per step hardly vary: a run of identical steps cannot tell base from
+        slope, and a slope learnt from a few early, slow draft steps (on the H200, the first verify
+        steps included a Triton compile: 0.85 ms per draft token, after which no step drafted again and
+        the slope stayed) fades as the evidence ages instead of holding forever. A negative `ms` is
+        ignored."""
         if ms < 0:
             return
         self._n += 1
@@ -142,9 +147,8 @@ class StepCostModel:
         m = self._moments
         for i, v in enumerate((d, ms, d * d, d * ms)):
             m[i] += w * (v - m[i])
-        var = m[2] - m[0] * m[0]
-        if var >= 1.0:
-            self.draft_overhead_ms = max((m[3] - m[0] * m[1]) / var, 0.0)
+        var = max(m[2] - m[0] * m[0], 0.0)
+        self.draft_overhead_ms = max((m[3] - m[0] * m[1]) / (var + RIDGE_TOKENS2), 0.0)
         self.overhead_ms = max(m[1] - self.draft_overhead_ms * m[0], 0.0)
 
     def to_dict(self) -> dict[str, Any]:

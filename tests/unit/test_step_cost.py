@@ -176,3 +176,16 @@ def test_overhead_fit_needs_varying_drafts_and_keeps_slope_non_negative():
     for i in range(200):  # more drafts, less overhead: noise, not a negative cost
         cm.observe_overhead(5.0 - 0.01 * (i % 2) * 16, (i % 2) * 16)
     assert cm.draft_overhead_ms == 0.0
+
+
+def test_overhead_slope_from_a_few_slow_early_steps_fades():
+    """A few early draft steps that were slow for another reason (a kernel compile), then only plain
+    steps: the slope must not stay (it would price every draft out forever, so no step would draft
+    again to correct it)."""
+    cm = StepCostModel([1, 2], [1.0, 1.1])
+    for i in range(30):
+        cm.observe_overhead(300.0 if i in (3, 7) else 0.3, 8 if i in (3, 7) else 0)
+    assert cm.draft_overhead_ms > 1.0
+    for _ in range(200):
+        cm.observe_overhead(0.3, 0)
+    assert cm.draft_overhead_ms < 0.01 and cm.overhead_ms == pytest.approx(0.3, abs=0.05)
