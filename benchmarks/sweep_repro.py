@@ -79,13 +79,14 @@ def main() -> None:
     result = {
         "benchmark": "sweep_repro", "model": args.model, "started": started,
         "conditions": f"{os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, one `specserve serve`, "
-                      f"sweep {' '.join(GRID)} --num-prompts {args.num_prompts} --max-tokens {args.max_tokens}, "
-                      "run twice",
+                      f"sweep {' '.join(GRID)} --num-prompts {args.num_prompts} --max-tokens {args.max_tokens} "
+                      f"(prune margin {first['config'].get('prune_margin')}), run twice",
         "summary": {"wall_s": [round(wall1, 1), round(wall2, 1)], "under_30_min": max(wall1, wall2) < 1800,
                     "reproduces": check["all"], "by_key": check["by_key"],
                     "loadavg_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
                     "errors": [first["errors"], again["errors"]]},
         "recommendations": [first["recommendations"], again["recommendations"]],
+        "pruned": [first.get("pruned", []), again.get("pruned", [])],
         "rows": [first["rows"], again["rows"]],
     }
     out = Path(args.out)
