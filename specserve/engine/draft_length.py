@@ -25,6 +25,12 @@ a request that joins meanwhile is decided for when the rest ends). On a CPU, whe
 decision, this never rests. The decision's own time is reported to the engine (`take_decide_ms`), which
 leaves it out of the step overhead it fits against the draft tokens (the decision happens in the steps
 that may draft, so it would otherwise be priced as a cost of the drafts themselves).
+Drafting is charged for the decision itself too: the measured time of decisions that proposed
+(`draft_decide_ms`) is added to the cost of every choice with drafts (`speculate_ms`), not to k = 0 for
+everyone, since steps that do not speculate can rest without deciding. On the H200 at 16 concurrent a
+suffix decision that proposed took ~5 ms against a 1.5 ms plain step (`docs/benchmarks/
+gpu_adaptive_diag_run3.json`), which the forward-only cost had hidden; on a CPU (~1 ms against 100+ ms
+steps) it changes nothing.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
@@ -84,6 +90,8 @@ class AdaptiveK(ConfiguredK):
         self.propose_ms: dict[Any, float] = {}  # per proposer key: EMA of the drafting time per request (ms)
         self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
+        self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
+        self._proposed = False  # the current decision called a proposer
         self.rest_steps = 0  # plain steps left before the next decision
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
@@ -121,9 +129,12 @@ class AdaptiveK(ConfiguredK):
                 self._count_k(r, 0)
             return out
         t0 = time.perf_counter()
+        self._proposed = False
         props = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
         self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
+        if self._proposed:
+            self.draft_decide_ms = ms if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * ms
         self._decide_ms_step += ms
         self.rest_steps = 0
         if not any(p.token_ids for p in props):
@@ -158,6 +169,7 @@ class AdaptiveK(ConfiguredK):
                 continue
             t0 = time.perf_counter()
             props = propose([asks[i] for i in idx])
+            self._proposed = True
             ms = 1000 * (time.perf_counter() - t0) / len(idx)
             self.propose_ms[key] = ms if key not in self.propose_ms else 0.9 * self.propose_ms[key] + 0.1 * ms
             for i, p in zip(idx, props):
@@ -182,7 +194,8 @@ class AdaptiveK(ConfiguredK):
                                            draft_cost_ms=lambda n, c=cost: c.forward_ms(n, n)))
         choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
                                       num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
-                                      draft_token_ms=self.step_cost.draft_overhead_ms)
+                                      draft_token_ms=self.step_cost.draft_overhead_ms,
+                                      speculate_ms=self.draft_decide_ms)
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []

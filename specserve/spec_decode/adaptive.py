@@ -79,6 +79,7 @@ def choose_draft_lengths(
     objective: str = "fair",
     min_gain: float = 0.0,
     draft_token_ms: float = 0.0,
+    speculate_ms: float = 0.0,
 ) -> Choice:
     """Choose k for every option (see the module docstring).
 
@@ -93,6 +94,9 @@ def choose_draft_lengths(
             (0.02 = 2%), a guard against noisy estimates.
         draft_token_ms: host time per verified draft token outside the forward (ms; sampling and
             committing its row), added to the step time (`StepCostModel.draft_overhead_ms`).
+        speculate_ms: host time a step spends only because it may draft (proposing for every request,
+            tracking and choosing: `AdaptiveK`'s measured decision time), added to the cost of every
+            choice with drafts and not to k = 0 for everyone, whose steps can skip the decision.
 
     Returns:
         Choice; ks[i] in [0, len(options[i].acceptance)].
@@ -127,7 +131,8 @@ def choose_draft_lengths(
     def value(gain_sum: float, cost: float) -> float:
         return gain_sum - seqs * math.log(cost) if fair else (n + gain_sum) / cost
 
-    costs = [step_ms(base_tokens + t, seqs) + draft_token_ms * t for t in range(len(incs) + 1)]  # by total drafts
+    costs = [step_ms(base_tokens + t, seqs) + draft_token_ms * t + (speculate_ms if t else 0.0)
+             for t in range(len(incs) + 1)]  # by total drafts
     base_cost = costs[0]
     best = Choice([0] * n, value(0.0, base_cost), base_cost, float(n))
     threshold = best.value + (seqs * math.log1p(min_gain) if fair else best.value * min_gain)

@@ -149,3 +149,21 @@ def test_host_cost_per_draft_token_shortens_or_removes_drafts():
     assert choose_draft_lengths(opts, flat, objective="throughput").ks == [6]
     assert choose_draft_lengths(opts, flat, objective="throughput", draft_token_ms=0.5).ks == [2]
     assert choose_draft_lengths(opts, flat, objective="throughput", draft_token_ms=2.0).ks == [0]
+
+
+def test_speculate_ms_is_a_fixed_price_of_any_drafts():
+    """The decision's own time (proposing for 16 requests on a GPU host: ~5 ms against a 1.5 ms step)
+    is paid by every choice with drafts and not by k = 0 for everyone."""
+    gpu = lambda t, s=1: 1.3 + 0.003 * t  # noqa: E731 - a graph step: drafts nearly free
+    opts = [DraftOption([0.6] * 8) for _ in range(16)]
+    assert sum(choose_draft_lengths(opts, gpu).ks) > 0
+    choice = choose_draft_lengths(opts, gpu, speculate_ms=5.0)
+    assert choice.ks == [0] * 16 and choice.step_ms == pytest.approx(gpu(16, 16))
+    # a high acceptance still pays for it, and then the cost includes it
+    rich = [DraftOption([0.95] * 8) for _ in range(16)]
+    choice = choose_draft_lengths(rich, gpu, speculate_ms=1.0)
+    t = sum(choice.ks)
+    assert t > 0 and choice.step_ms == pytest.approx(gpu(16 + t, 16) + 1.0)
+    # on a CPU step of 100+ ms a 1 ms decision changes nothing
+    assert choose_draft_lengths([DraftOption([0.9] * 8)], cpu_cost, speculate_ms=1.0).ks == \
+        choose_draft_lengths([DraftOption([0.9] * 8)], cpu_cost).ks

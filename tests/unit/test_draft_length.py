@@ -176,3 +176,26 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
         cpu_ad.draft([(r2, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
         commit(cpu_ad, r2, [4])
         assert cpu_ad.rest_steps == 0
+
+
+def test_a_decision_dearer_than_its_gain_stops_drafting(monkeypatch):
+    """A GPU-like step (1 ms) where the first draft token is always accepted and the second never, and
+    proposing costs 2 ms per request: the first decision drafts (its price is not known yet), then the
+    measured price of deciding to draft is charged to every choice with drafts (2 expected tokens for
+    ~3 ms lose to 1 token for 1 ms) and the schedule stops drafting. With free proposing the same
+    acceptance keeps drafting (2 tokens for ~1 ms)."""
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # no rest steps: every step decides
+    gpu = StepCostModel(list(range(1, 17)), [1.0 + 0.001 * t for t in range(16)])
+    cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    for delay, drafts_later in ((2.0, False), (0.0, True)):
+        prop = Scripted([7] + [9] * 7, delay_ms=delay)
+        ad = AdaptiveK(gpu, lambda c: prop)
+        r = req("a", cfg)
+        ad.add_request(r)
+        ks = []
+        for _ in range(16):  # the target continues with 7, then 4
+            (p,) = ad.draft([(r, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+            ks.append(len(p.token_ids))
+            commit(ad, r, [7, 4] if p.token_ids else [7])
+        assert ks[0] > 0 and (ks[-1] > 0) == drafts_later, (delay, ks)
+        assert (ad.draft_decide_ms >= 2.0) == (not drafts_later)
