@@ -43,7 +43,8 @@ def test_step_cost_command(tiny_model_dir, tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     table = json.loads(out[-1])
-    assert table["schema"] == "specserve.step_cost/1" and table["tokens"] == list(range(1, 17))
+    assert table["schema"] == "specserve.step_cost/2" and table["tokens"] == list(range(1, 17))
+    assert table["batch_ms"] == []  # the uniform-batch grid is measured on CUDA only
     assert "new tokens" in "\n".join(out) and len(list((tmp_path / "step_cost").glob("*.json"))) == 1
     assert main(argv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ms"] == table["token_ms"]
     assert main(argv + ["--refresh"]) == 0
