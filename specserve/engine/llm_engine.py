@@ -402,16 +402,17 @@ class LLMEngine:
         (its optional `prepare`, spec_decode/proposer.py): a suffix tree ingests a new prompt, or a
         finished request's output, here instead of in the next step's drafting. Only requests whose
         config may draft at this batch size are passed (a batch-size table's k = 0 never ingests)."""
+        preparers = {key: prop.prepare for key, prop in self._proposers.items() if hasattr(prop, "prepare")}
+        if not preparers:  # ngram and draft-model proposers have no such work: nothing to do per step
+            return
         groups: dict[Any, list[Request]] = {}
         for s in plan.scheduled:
             cfg = s.request.spec_config
             if cfg is not None and cfg.k_for_batch_size(len(plan.scheduled)) > 0:
                 groups.setdefault(proposer_key(cfg), []).append(s.request)
-        for key, prop in self._proposers.items():
-            prepare = getattr(prop, "prepare", None)
-            if prepare is not None:
-                prepare([ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, 0, r.params, r.seed)
-                         for r in groups.get(key, ())])
+        for key, prepare in preparers.items():
+            prepare([ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, 0, r.params, r.seed)
+                     for r in groups.get(key, ())])
 
     def _propose(self, asks: Sequence[tuple[Request, int]]) -> list[Proposal]:
         """The scheduler's `propose` callback: one Proposal per (request, k cap), grouped by proposer."""
