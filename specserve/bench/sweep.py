@@ -35,7 +35,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -300,8 +300,8 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
     if cfg.server_cmd and cfg.prune_margin:
         raise ValueError("--prune-margin works with --base-url only: with --server-cmd each server runs all its "
                          "repeats before the next one starts, so no profile can be dropped after the first repeat")
-    if cfg.prune_margin is None:
-        cfg.prune_margin = DEFAULT_PRUNE_MARGIN if cfg.base_url else 0.0
+    if cfg.prune_margin is None:  # resolved on a copy: the caller's config is left as it was
+        cfg = replace(cfg, prune_margin=DEFAULT_PRUNE_MARGIN if cfg.base_url else 0.0)
     datasets.parse_dataset_arg(",".join(cfg.segments))
     profiles = plan_profiles(cfg)
     t0 = time.perf_counter()

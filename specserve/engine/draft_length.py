@@ -91,7 +91,6 @@ class AdaptiveK(ConfiguredK):
         self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
-        self._proposed = False  # the current decision called a proposer
         self.rest_steps = 0  # plain steps left before the next decision
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
@@ -129,11 +128,10 @@ class AdaptiveK(ConfiguredK):
                 self._count_k(r, 0)
             return out
         t0 = time.perf_counter()
-        self._proposed = False
-        props = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
+        props, proposed = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
         self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
-        if self._proposed:
+        if proposed:
             self.draft_decide_ms = ms if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * ms
         self._decide_ms_step += ms
         self.rest_steps = 0
@@ -155,7 +153,9 @@ class AdaptiveK(ConfiguredK):
         counts[k] += 1
 
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
-                  other_seqs: int) -> list[Proposal]:
+                  other_seqs: int) -> tuple[list[Proposal], bool]:
+        """The decision for the adaptive asks: their proposals cut to the chosen k, and whether any free
+        proposer was called (the decision's time then counts as the price of drafting)."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         for i, (r, _cap) in enumerate(asks):
@@ -169,7 +169,6 @@ class AdaptiveK(ConfiguredK):
                 continue
             t0 = time.perf_counter()
             props = propose([asks[i] for i in idx])
-            self._proposed = True
             ms = 1000 * (time.perf_counter() - t0) / len(idx)
             self.propose_ms[key] = ms if key not in self.propose_ms else 0.9 * self.propose_ms[key] + 0.1 * ms
             for i, p in zip(idx, props):
@@ -215,7 +214,7 @@ class AdaptiveK(ConfiguredK):
                 drafts = list(p.token_ids[: ks[i]])
                 out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
-        return out
+        return out, bool(full.keys() - skip)
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that
