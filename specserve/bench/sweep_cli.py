@@ -79,10 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sample seed (same seed, same requests)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per profile, not counted (default 1)")
     p.add_argument("--min-noise", type=float, default=0.02,
-                   help="smallest speedup difference that counts as real (default 0.02)")
+                   help="smallest noise band, a fraction of the best median speedup (default 0.02 = 2%%)")
     p.add_argument("--prune-margin", type=float, default=None,
                    help="with --base-url: after the first repeat of a (segment, concurrency), stop running the "
-                        "profiles whose speedup is more than this fraction below the best there (default 0.15; "
+                        "profiles whose speedup is more than this fraction below the best there (default 0.25; "
                         "0 runs every profile in every repeat; not with --server-cmd)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-dir", help="where to write files (default sweep-results/<UTC time>)")

@@ -7,12 +7,19 @@ median over repeats and its spread (min, max), the same for output tokens/s, and
 TTFT and acceptance. `recommend` picks per (segment, concurrency) the profile to serve:
 
 1. best = the highest median speedup (the baseline counts, at exactly 1.0);
-2. the noise band of a candidate against the best = the larger of the two half-ranges (max - min) / 2
-   of their speedups over repeats (at least `min_noise`);
-3. every profile whose median is within the band of the best is as good as the best; among those the
-   one with the smallest k wins (the baseline has k = 0; an adaptive profile counts with its maximum k,
-   and wins a tie of k against a constant one, since it can back off when acceptance falls); equal k:
-   the higher median.
+2. the noise of the (segment, concurrency) = the largest relative half-range (max - min) / 2 / median
+   of any of its profiles' speedups over repeats (at least `min_noise`), pooled over the group: the
+   machine's noise hits every profile measured side by side, and timing noise is multiplicative, so
+   the band is a fraction of the best's median;
+3. every profile whose median is within the band of the best (median >= best x (1 - noise)) is as good
+   as the best; among those the one with the smallest k wins (the baseline has k = 0; an adaptive
+   profile counts with its maximum k, and wins a tie of k against a constant one, since it can back off
+   when acceptance falls); equal k: the higher median.
+
+Why pooled: a rule that prefers the smaller k puts its pick at the edge of the band, so the band must
+not depend on which two profiles are compared. With each pair's own half-ranges (two repeats each),
+a re-run on this 2-core CPU picked another k in 2 of 6 cases; on the same recorded runs the pooled,
+relative band picks the same profile in 5 of 6 (docs/benchmarks/sweep_cpu.json, README).
 
 So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
 k only where it beats a shallower one by more than the noise. `consistent` checks a re-run against it.
@@ -123,9 +130,12 @@ def prune(runs: list[dict], margin: float, baseline: str = BASELINE) -> dict[tup
     return cut
 
 
-def _half_range(row: dict) -> float:
+def _relative_half_range(row: dict) -> float:
+    """(max - min) / 2 / median of the row's speedups over repeats; 0 with fewer than two."""
     s = row["speedup"]
-    return (s["max"] - s["min"]) / 2 if s["min"] is not None and s["max"] is not None else 0.0
+    if s["min"] is None or s["max"] is None or not s["median"]:
+        return 0.0
+    return (s["max"] - s["min"]) / 2 / s["median"]
 
 
 def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: float = 0.0) -> list[dict]:
@@ -134,12 +144,13 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
     Args:
         rows: `summarize_runs` output; rows with a true `pruned` are left out (see `prune`).
         profiles: name -> speculative config dict (None = no speculation), for k and the schedule.
-        min_noise: smallest noise band (a speedup difference, e.g. 0.02).
+        min_noise: smallest noise band, a fraction of the best's median (0.02 = 2%).
 
     Returns:
         dicts: segment, concurrency, profile, speedup (its median), spread [min, max], best (the
-        profile with the highest median), best_speedup, within_noise (profiles as good as the best),
-        reason (one line), pruned (profiles left out after the first repeat).
+        profile with the highest median), best_speedup, noise (the pooled relative band used),
+        within_noise (profiles as good as the best), reason (one line), pruned (profiles left out
+        after the first repeat).
     """
     def k_key(name: str) -> tuple[int, int]:
         cfg = profiles.get(name)
@@ -155,8 +166,8 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
         if not group:
             continue
         best = max(group, key=lambda r: r["speedup"]["median"])
-        close = [r for r in group
-                 if r["speedup"]["median"] >= best["speedup"]["median"] - max(_half_range(best), _half_range(r), min_noise)]
+        noise = max([min_noise] + [_relative_half_range(r) for r in group])
+        close = [r for r in group if r["speedup"]["median"] >= best["speedup"]["median"] * (1 - noise)]
         pick = min(close, key=lambda r: (k_key(r["profile"]), -r["speedup"]["median"]))
         if pick is best:
             why = "highest median TPOT speedup"
@@ -166,7 +177,7 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
             why = f"within the noise of the best ({best['profile']}) with a smaller k"
         out.append({"segment": seg, "concurrency": conc, "profile": pick["profile"],
                     "speedup": pick["speedup"]["median"], "spread": [pick["speedup"]["min"], pick["speedup"]["max"]],
-                    "best": best["profile"], "best_speedup": best["speedup"]["median"],
+                    "best": best["profile"], "best_speedup": best["speedup"]["median"], "noise": noise,
                     "within_noise": [r["profile"] for r in close], "reason": why,
                     "pruned": [r["profile"] for r in mine if r.get("pruned")]})
     return out

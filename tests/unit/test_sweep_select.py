@@ -108,3 +108,19 @@ def test_pruned_rows_are_never_recommended():
         r["pruned"] = r["profile"] == "ngram_k8"
     (rec,) = recommend(rows, PROFILES)
     assert rec["profile"] == "ngram_k2" and rec["pruned"] == ["ngram_k8"] and "ngram_k8" not in rec["within_noise"]
+
+
+def test_noise_band_is_pooled_over_the_group_and_relative():
+    # k4's own repeats agree and k8's too, but k6 shows the machine's noise (+-20% of its median): the band of
+    # every comparison in the group is that 20%, so k4 (0.85x the best's median) is as good as the best
+    profiles = {**PROFILES, "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4},
+                "ngram_k6": {"method": "ngram", "num_speculative_tokens": 6}}
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k4": [50, 50], "ngram_k6": [50 / 1.2, 50 / 0.8],
+                                     "ngram_k8": [42.5, 42.5]}))
+    (rec,) = recommend(rows, profiles)
+    assert rec["best"] == "ngram_k8" and rec["profile"] == "ngram_k4"
+    assert rec["noise"] == pytest.approx(0.2, rel=0.01) and set(rec["within_noise"]) == {"ngram_k4", "ngram_k6", "ngram_k8"}
+    # without the noisy profile the band is the floor: k4 is 15% behind, beyond it
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k4": [50, 50], "ngram_k8": [42.5, 42.5]}))
+    (rec,) = recommend(rows, profiles, min_noise=0.02)
+    assert rec["profile"] == "ngram_k8" and rec["noise"] == 0.02
