@@ -318,7 +318,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the one-command tour: pull a model, serve baseline + speculative profiles, "
                                     "benchmark them on real workload segments, print the comparison, write a report",
                        description="Pull the model (if needed), start `specserve serve` with profiles baseline, "
-                                   "ngram_4 and suffix on 127.0.0.1, benchmark them on a small mixed sample of real "
+                                   "ngram_adaptive and suffix_adaptive (adaptive draft length, up to 8) on 127.0.0.1, benchmark them on a small mixed sample of real "
                                    "segments (the same greedy requests for each), print speedup, acceptance and "
                                    "whether greedy outputs matched baseline, write report.html and summary.json, and "
                                    "stop the server. The last stdout line is the demo summary as JSON.")

@@ -2,8 +2,8 @@
 
 The demo is a preset of the bench runner: (1) pull the model unless it is already in the cache (a
 catalog name; a local model folder or .gguf also works); (2) start `specserve serve` as a child process
-on 127.0.0.1 (`bench.server_process`) with the profiles `baseline`, `ngram_4` and `suffix` (or
-`--profiles FILE`) and profile override allowed, and wait for /health; (3) run the bench runner with
+on 127.0.0.1 (`bench.server_process`) with the profiles `baseline`, `ngram_adaptive` and `suffix_adaptive`
+(the adaptive draft length, up to 8 drafts; or `--profiles FILE`) and profile override allowed, and wait for /health; (3) run the bench runner with
 fixed options: a small mixed sample of the real workload segments (`--num-prompts` per segment), every
 request greedy, the same requests for every profile, a short strict warm-up that is not counted; (4)
 print, per segment and overall, each profile's speed against the baseline (TPOT and tokens/s ratios),
@@ -27,8 +27,13 @@ DEFAULT_SEGMENTS = "code,edit,chat,summarize,tool_call"
 DEFAULT_PROFILES = {
     "profiles": {
         "baseline": None,
-        "ngram_4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-        "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+        # adaptive: k per request and step from the measured step cost and acceptance (docs/adaptive-speculation.md).
+        # It replaced constant k (ngram k 4, suffix k 8), which lost on tool_call, chat and summarize text
+        # (0.76-0.90x); adaptive held >= 0.97x on every segment (docs/benchmarks/adaptive_cpu.json). Its cost:
+        # the server times the model's step once per model, dtype and device (~35 s on the 2-core CPU, cached).
+        "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
+                           "prompt_lookup_max": 4, "num_speculative_tokens_schedule": "adaptive"},
+        "suffix_adaptive": {"method": "suffix", "num_speculative_tokens": 8, "num_speculative_tokens_schedule": "adaptive"},
     },
     "weights": {"baseline": 1},
 }
@@ -192,7 +197,10 @@ def _run(args: argparse.Namespace) -> int:
     for s in prev:
         signal.signal(s, _interrupt)
     try:
-        _say(f"2/4 starting the server with profiles {', '.join(names)} (log {out / 'server.log'})")
+        adaptive = any(p.spec_config is not None and p.spec_config.adaptive for p in pset.profiles.values())
+        _say(f"2/4 starting the server with profiles {', '.join(names)} (log {out / 'server.log'})"
+             + ("; the adaptive profiles' step cost is measured on the first start (~35 s on 2 CPU cores, "
+                "then cached)" if adaptive else ""))
         t = time.perf_counter()
         server.start(args.server_timeout, "--server-timeout")
         timings["server_start_s"] = time.perf_counter() - t

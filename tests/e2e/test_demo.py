@@ -69,7 +69,7 @@ def test_demo_exits_zero_and_prints_the_comparison(demo_run):
         assert col in text
     table_lines = [ln for ln in text.splitlines() if "│" in ln]
     for seg in SEGMENTS + ("all",):
-        for prof in ("baseline", "ngram_4", "suffix"):
+        for prof in ("baseline", "ngram_adaptive", "suffix_adaptive"):
             assert any(f" {seg} " in ln and f" {prof} " in ln for ln in table_lines), (seg, prof)
     assert "greedy outputs identical to baseline: 10/10" in text
     assert "WARNING" not in text
@@ -85,14 +85,15 @@ def test_demo_last_line_is_the_json_summary(demo_run):
     demo = json.loads(proc.stdout.strip().splitlines()[-1])
     assert demo["schema"] == "specserve.demo/1"
     assert demo == json.loads((out / "demo.json").read_text())
-    assert list(demo["profiles"]) == ["baseline", "ngram_4", "suffix"]
-    assert demo["profiles"]["suffix"]["num_speculative_tokens"] == 8
+    assert list(demo["profiles"]) == ["baseline", "ngram_adaptive", "suffix_adaptive"]
+    assert demo["profiles"]["suffix_adaptive"]["num_speculative_tokens"] == 8
+    assert demo["profiles"]["suffix_adaptive"]["num_speculative_tokens_schedule"] == "adaptive"
     assert demo["segments"] == list(SEGMENTS)
     assert demo["num_requests_per_profile"] == 5 and demo["errors"] == 0 and demo["profile_mismatches"] == 0
     gm = demo["greedy_match"]
     assert gm["identical"] == gm["compared"] == 10 and gm["ok"]
     rows = {(r["segment"], r["profile"]): r for r in demo["rows"]}
-    assert set(rows) == {(s, p) for s in SEGMENTS + ("all",) for p in ("baseline", "ngram_4", "suffix")}
+    assert set(rows) == {(s, p) for s in SEGMENTS + ("all",) for p in ("baseline", "ngram_adaptive", "suffix_adaptive")}
     for (seg, prof), r in rows.items():
         assert r["tokens_per_s"] > 0 and r["output_tokens"] > 0
         if prof == "baseline":
@@ -101,7 +102,7 @@ def test_demo_last_line_is_the_json_summary(demo_run):
             assert r["greedy_match"] == ([5, 5] if seg == "all" else [1, 1])
             assert r["tokens_per_s_ratio"] > 0
             assert r["mean_acceptance_length"] is None or r["mean_acceptance_length"] >= 1
-    for prof in ("ngram_4", "suffix"):  # speedup = baseline TPOT / profile TPOT, as the table says
+    for prof in ("ngram_adaptive", "suffix_adaptive"):  # speedup = baseline TPOT / profile TPOT, as the table says
         b, c = rows[("all", "baseline")], rows[("all", prof)]
         assert c["speedup_tpot"] == pytest.approx(b["tpot_ms"] / c["tpot_ms"])
 
@@ -110,7 +111,7 @@ def test_demo_writes_report_and_summaries(demo_run):
     proc, out, _ = demo_run
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "specserve.bench/1"
-    assert [g["profile"] for g in summary["groups"]] == ["baseline", "ngram_4", "suffix"]
+    assert [g["profile"] for g in summary["groups"]] == ["baseline", "ngram_adaptive", "suffix_adaptive"]
     assert all(r["overall"]["num_requests"] == 5 for r in summary["runs"])  # warm-up not counted
     assert {d["segment"] for d in summary["datasets"]} == set(SEGMENTS)
     rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
