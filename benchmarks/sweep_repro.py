@@ -31,7 +31,7 @@ def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) ->
     """One `specserve sweep` over GRID; returns (its sweep.json, wall seconds)."""
     cmd = [sys.executable, "-m", "specserve.cli", "sweep", "--base-url", base_url, "--admin-token", token, *GRID,
            "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--output-dir", str(out),
-           "--no-progress", "--no-html"]
+           "--no-progress", "--no-html", "--prune-margin", str(args.prune_margin)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=4, help="requests per run (the sweep's default)")
     ap.add_argument("--max-tokens", type=int, default=64, help="the sweep's default")
+    ap.add_argument("--prune-margin", type=float, default=0.0,
+                    help="the sweep's --prune-margin (default 0: off, as the sweep's own default)")
     ap.add_argument("--work-dir", default="out/sweep-repro")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args()

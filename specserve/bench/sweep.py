@@ -19,9 +19,15 @@ gets its own proposer (its `suffix_decoding_max_cached_requests` is lowered by a
 it a different proposer key), so one profile's outputs never feed another's tree. Metrics per run are
 the bench runner's (`bench.metrics.summarize`); `sweep_select` turns them into speedups, medians,
 spreads and the recommendation.
-Pruning (one running server only): after the first repeat of a (segment, concurrency), profiles more
-than `prune_margin` below the best speedup there are not run again there (`sweep_select.prune`): the
-later repeats measure only the contenders, which cuts a sweep's time where the profiles differ most.
+Pruning (opt-in, `prune_margin` > 0, one running server only): after the first repeat of a (segment,
+concurrency), profiles more than `prune_margin` below the best speedup there are not run again there
+(`sweep_select.prune`): the later repeats measure only the contenders, which cuts a sweep's time where
+the profiles differ most. It is off by default because one repeat cannot tell a slow profile from a
+noisy run: on the 2-core CPU a profile's speedup moved by up to 35% of its median between two repeats,
+and in two re-run checks of the issue's grid with the pooled band (`benchmarks/sweep_repro.py`, margin
+0.25) the one recommendation of each that did not reproduce was a profile the first run had cut after
+one repeat, while every (segment, concurrency) left whole reproduced (docs/benchmarks/sweep_cpu.json). Unpruned, that grid is
+~108 runs of ~13 s on that machine (~24 minutes).
 With --server-cmd every server runs all its repeats before the next starts, so there is nothing to cut.
 What it does not do: print or write files (`sweep_cli.py`), or draw (`sweep_report.py`).
 """
@@ -35,7 +41,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -47,10 +53,6 @@ from specserve.bench.sweep_select import BASELINE, prune, recommend, recommended
 
 SCHEMA = "specserve.sweep/1"
 METHOD_DEFAULTS = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4}}  # as the demo's ngram profile
-# one running server: drop profiles > 25% below the best after repeat 1. Not less: on the 2-core CPU one
-# profile's speedup moved by up to 24% of its median between two repeats (docs/benchmarks/sweep_cpu.json),
-# and with 0.15 a profile the re-run recommended had been cut after one repeat.
-DEFAULT_PRUNE_MARGIN = 0.25
 
 
 class SweepError(RuntimeError):
@@ -79,7 +81,7 @@ class SweepConfig:
     seed: int = 0
     warmup: int = 1
     min_noise: float = 0.02
-    prune_margin: float | None = None  # None: DEFAULT_PRUNE_MARGIN with base_url, 0 (off) with server_cmd
+    prune_margin: float = 0.0  # 0: off (see the module docstring); > 0 with base_url only
     timeout_s: float = 600.0
     progress: bool = True
 
@@ -298,13 +300,11 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
         raise ValueError("give --base-url or --server-cmd, not both")
     if min(cfg.ks, default=0) < 1 or min(cfg.concurrency, default=0) < 1 or cfg.repeats < 1 or cfg.num_prompts < 1:
         raise ValueError("--k, --concurrency, --repeats and --num-prompts must be >= 1")
-    if cfg.prune_margin is not None and not 0 <= cfg.prune_margin < 1:
+    if not 0 <= cfg.prune_margin < 1:
         raise ValueError(f"--prune-margin must be in [0, 1), got {cfg.prune_margin}")
     if cfg.server_cmd and cfg.prune_margin:
         raise ValueError("--prune-margin works with --base-url only: with --server-cmd each server runs all its "
                          "repeats before the next one starts, so no profile can be dropped after the first repeat")
-    if cfg.prune_margin is None:  # resolved on a copy: the caller's config is left as it was
-        cfg = replace(cfg, prune_margin=DEFAULT_PRUNE_MARGIN if cfg.base_url else 0.0)
     datasets.parse_dataset_arg(",".join(cfg.segments))
     profiles = plan_profiles(cfg)
     t0 = time.perf_counter()

@@ -25,7 +25,8 @@ Profiles are named baseline, <method>_k<k> and <method>_adaptive (num_speculativ
 --k, "num_speculative_tokens_schedule": "adaptive"). Speedup = baseline TPOT / profile TPOT in the same
 repeat; the recommendation per (segment, concurrency) is the smallest k within the noise of the best
 median (the baseline, k = 0, included). With --base-url, profiles more than --prune-margin below the
-best after the first repeat are not run again in that (segment, concurrency) and are not recommended."""
+best after the first repeat are not run again in that (segment, concurrency) and are not recommended
+(off by default)."""
 
 
 def _csv(kind):
@@ -80,10 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per profile, not counted (default 1)")
     p.add_argument("--min-noise", type=float, default=0.02,
                    help="smallest noise band, a fraction of the best median speedup (default 0.02 = 2%%)")
-    p.add_argument("--prune-margin", type=float, default=None,
+    p.add_argument("--prune-margin", type=float, default=0.0,
                    help="with --base-url: after the first repeat of a (segment, concurrency), stop running the "
-                        "profiles whose speedup is more than this fraction below the best there (default 0.25; "
-                        "0 runs every profile in every repeat; not with --server-cmd)")
+                        "profiles whose speedup is more than this fraction below the best there (default 0: off, "
+                        "every profile runs in every repeat; one noisy repeat can cut the profile a re-run would "
+                        "recommend; not with --server-cmd)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-dir", help="where to write files (default sweep-results/<UTC time>)")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
