@@ -86,8 +86,8 @@ def replay(requests: list[list[int]], prompt_tokens: int, k: int, concurrency: i
                 del active[inp.request_id]
 
     def stats(xs: list[float]) -> dict:
-        q = statistics.quantiles(xs, n=10)
-        return {"mean": round(statistics.fmean(xs), 1), "p50": round(statistics.median(xs), 1), "p90": round(q[-1], 1)}
+        p90 = statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else xs[0]
+        return {"mean": round(statistics.fmean(xs), 1), "p50": round(statistics.median(xs), 1), "p90": round(p90, 1)}
 
     return {"steps": len(prop_us), "request_steps": len(accepted), "prepare_us_per_request": stats(prep_us),
             "propose_us_per_request": stats(prop_us), "mean_acceptance_length": round(1 + statistics.fmean(accepted), 3),

@@ -23,7 +23,8 @@ Pruning (opt-in, `prune_margin` > 0, one running server only): after the first r
 concurrency), profiles more than `prune_margin` below the best speedup there are not run again there
 (`sweep_select.prune`): the later repeats measure only the contenders, which cuts a sweep's time where
 the profiles differ most. It is off by default because one repeat cannot tell a slow profile from a
-noisy run: on the 2-core CPU a profile's speedup moved by up to 35% of its median between two repeats,
+noisy run: on the 2-core CPU a profile's two repeats differed by up to 70% of its median (a relative
+half-range of 35%),
 and in two re-run checks of the issue's grid with the pooled band (`benchmarks/sweep_repro.py`, margin
 0.25) the one recommendation of each that did not reproduce was a profile the first run had cut after
 one repeat, while every (segment, concurrency) left whole reproduced (docs/benchmarks/sweep_cpu.json). Unpruned, that grid is
@@ -205,7 +206,7 @@ async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map:
     `only`, one profile (external servers, where the server is the profile). With `pruned` (a dict to
     fill) and a prune margin, the first repeat's losers of each (segment, concurrency) are not run again."""
     served_names = list(name_map) if only is None else [only]
-    margin = cfg.prune_margin or 0.0
+    margin = cfg.prune_margin
     kept: dict[tuple[str, int], list[str]] = {}
     own_bar = bar is None
     if own_bar:

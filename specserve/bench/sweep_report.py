@@ -142,7 +142,7 @@ def _rec_table(result: dict) -> str:
     body = "".join(
         f"<tr><td>{html.escape(r['segment'])}</td><td>{r['concurrency']}</td><td><b>{html.escape(r['profile'])}</b></td>"
         f"<td>{r['speedup']:.2f}x</td><td>{r['spread'][0]:.2f}-{r['spread'][1]:.2f}</td>"
-        f"<td>{html.escape(r['best'])} ({r['best_speedup']:.2f}x)</td><td>{r['noise']:.0%}</td>"
+        f"<td>{html.escape(r['best'])} ({r['best_speedup']:.2f}x)</td><td>{_f(r.get('noise'), '{:.0%}')}</td>"
         f"<td style='text-align:left'>{html.escape(r['reason'])}</td></tr>" for r in result["recommendations"])
     return ("<table><tr><th>segment</th><th>concurrency</th><th>recommended</th><th>speedup</th><th>spread</th>"
             f"<th>best median</th><th>noise band</th><th>why</th></tr>{body}</table>")
@@ -179,7 +179,7 @@ k {html.escape(', '.join(map(str, c['ks'])))}{' and adaptive' if c['adaptive'] e
 {c['num_prompts']} greedy requests per run (max_tokens {c['max_tokens']}), {c['repeats']} repeat(s), profile order rotated.</p>
 <p class="note">Speedup = baseline TPOT / profile TPOT, token-weighted, each against the baseline of the same repeat;
 median over repeats, [min-max] = spread. Recommended = the smallest k among the profiles within the noise of the
-best median (noise band = the largest relative half-range (max - min) / 2 / median of the segment's profiles, at least
+best median (noise band = the largest relative half-range (max - min) / 2 / median of the (segment, concurrency)'s profiles, at least
 {c['min_noise']}: a profile is within it when its median is at least the best's x (1 - band)); the baseline has k = 0.</p>
 <h2>Recommendations</h2>{_rec_table(result)}
 <h2>All runs</h2>{_rows_table(result)}

@@ -24,7 +24,9 @@ each, both misses profiles that pruning had cut after one repeat (docs/benchmark
 sweep_cpu_pooled_run1.json; README).
 
 So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
-k only where it beats a shallower one by more than the noise. `consistent` checks a re-run against it.
+k only where it beats a shallower one by more than the noise. A band of 1 or more (possible with three or
+more repeats and one wild one) makes every profile as good as the best, so the baseline is recommended:
+such noise hides any gain. `consistent` checks a re-run against it.
 
 `prune` is the sweep's successive-halving cut (Jamieson & Talwalkar 2016, one round): after the first
 repeat of a (segment, concurrency), a profile whose speedup is more than a margin below the best one's

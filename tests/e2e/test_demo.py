@@ -88,6 +88,8 @@ def test_demo_last_line_is_the_json_summary(demo_run):
     assert list(demo["profiles"]) == ["baseline", "ngram_adaptive", "suffix_adaptive"]
     assert demo["profiles"]["suffix_adaptive"]["num_speculative_tokens"] == 8
     assert demo["profiles"]["suffix_adaptive"]["num_speculative_tokens_schedule"] == "adaptive"
+    assert demo["profiles"]["ngram_adaptive"]["num_speculative_tokens"] == 8
+    assert demo["profiles"]["ngram_adaptive"]["num_speculative_tokens_schedule"] == "adaptive"
     assert demo["segments"] == list(SEGMENTS)
     assert demo["num_requests_per_profile"] == 5 and demo["errors"] == 0 and demo["profile_mismatches"] == 0
     gm = demo["greedy_match"]

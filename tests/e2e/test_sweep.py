@@ -32,7 +32,7 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
         argv = ["sweep", "--base-url", srv.base_url + "/v1", "--admin-token", "t", "--methods", "ngram,suffix",
                 "--k", "2,4", "--concurrency", "1,2", "--segments", "code,chat", "--num-prompts", "2",
                 "--max-tokens", "8", "--repeats", "2", "--no-progress", "--output-dir", str(tmp_path)]
-        assert main(argv + ["--prune-margin", "0"]) == 0
+        assert main(argv) == 0  # the default: no pruning
         out = capsys.readouterr().out
         # a second sweep on the same server adds its own profiles (no clash with the first one's); it prunes
         # after the first repeat with a margin so wide that only the best and the baseline survive
@@ -55,6 +55,7 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
     assert all(r["profile"] in names and r["spread"][0] <= r["speedup"] <= r["spread"][1] for r in recs)
     result = json.loads((tmp_path / "sweep.json").read_text())
     assert len(result["runs"]) == 2 * 2 * 2 * len(names) and result["errors"] == 0
+    assert result["config"]["prune_margin"] == 0 and not result["pruned"]
     assert {r["profile"] for r in result["rows"]} == names
     # every profile ran in every (repeat, segment, concurrency), in a rotated order
     orders = [tuple(r["profile"] for r in result["runs"][i:i + len(names)]) for i in range(0, len(result["runs"]), len(names))]
