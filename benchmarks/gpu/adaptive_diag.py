@@ -79,6 +79,7 @@ def instrument(eng, log: StepLog) -> None:
     eng.scheduler.schedule = schedule
     eng._propose = timed("propose_ms", propose)
     eng._commit = timed("commit_ms", commit)
+    eng._prepare_proposers = timed("prepare_ms", eng._prepare_proposers)  # inside outside_parts_ms
     le.to_host = timed("to_host_ms", host)
     eng.step = one_step
 
@@ -100,11 +101,19 @@ def instrument_adaptive(ad, log: StepLog) -> None:
         return out
 
     ad.draft = wrapped
+    wants = ad.wants_prepare
+
+    def wants_prepare(req, n):
+        kept = wants(req, n)
+        log.add("prepare_kept" if kept else "prepare_retired", 1)
+        return kept
+
+    ad.wants_prepare = wants_prepare
 
 
 def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
     dec = [r for r in rows if not r.get("prefills")]
-    parts = ["wall_ms", "schedule_ms", "propose_ms", "adaptive_ms", "to_host_ms", "commit_ms"]
+    parts = ["wall_ms", "schedule_ms", "propose_ms", "adaptive_ms", "to_host_ms", "commit_ms", "prepare_ms"]
     out = {"tok_s": round(tok_s), "seconds": round(seconds, 3), "steps": len(rows),
            "decode_steps": len(dec), "mean_ms_decode_steps": {
                p: round(statistics.mean(r.get(p, 0.0) for r in dec), 3) for p in parts} if dec else {}}
@@ -117,6 +126,9 @@ def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
             by[(r["drafts"] + 15) // 16 * 16].append(r["wall_ms"])
     out["wall_ms_by_drafts_at_12plus_seqs"] = {f"<={d}": [len(v), round(statistics.median(v), 3)]
                                                for d, v in sorted(by.items())}
+    verdicts = {k: int(sum(r.get(f"prepare_{k}", 0) for r in rows)) for k in ("kept", "retired")}
+    if any(verdicts.values()):  # request-steps whose proposer state was kept up to date / not (retired)
+        out["prepare_request_steps"] = verdicts
     decisions = defaultdict(int)
     for r in rows:
         if "decision" in r:

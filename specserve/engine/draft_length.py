@@ -8,8 +8,8 @@ for the decoding requests of adaptive configs:
 1. proposers whose time does not grow with k (ngram, suffix) propose up to the cap; every draft is
    recorded in the `AcceptanceTracker` at full length (its outcome is read from the committed tokens
    later). When drafting itself costs a noticeable part of the step (measured per proposer: on a fast
-   GPU a Python suffix tree can), requests that would get k = 0 anyway skip it, except every
-   PROBE_EVERY-th step;
+   GPU a Python suffix tree can), requests that would get k = 0 anyway skip it: explorers draft every
+   PROBE_EVERY-th step all the same, the others are retired (below);
 2. `choose_draft_lengths` picks k per request from the acceptance estimates (with the proposer's own
    confidence), the target's measured step cost (`StepCostModel`) over the whole step (the other
    requests' tokens and the prefill chunks included) and, for a draft model, its own measured forward
@@ -33,6 +33,19 @@ gpu_adaptive_diag_run3.json`), which the forward-only cost had hidden; on a CPU 
 steps) it changes nothing.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
+Retiring: where drafting is costly (the 1% rule of step 1), a request whose optimistic choice is k = 0
+does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
+between steps (`wants_prepare` is False: a suffix tree does not ingest its prompt or its new tokens).
+Probing a request needs its proposer state up to date, and keeping that state is the cost (on the
+H200 at 16 concurrent requests the Python suffix trees' ingestion took ~0.5 ms of a 1.6 ms step while
+the schedule rested in 1031 of 1094 decisions, `docs/benchmarks/gpu_adaptive_diag_random05.json`).
+So only explorers probe: every EXPLORE_EVERY-th request of a proposer (the first included) is never
+retired and keeps the probing above; its outcomes feed the profile's prior, from which the retired
+requests' estimates come. Every decision re-checks the retired requests (no proposer work: their
+estimates only); one whose optimistic choice is k > 0 again (a smaller batch, a better prior) is
+un-retired and its next draft ingests what it missed. A new request is checked the same way before its
+first `prepare`, so a prompt that would never be drafted for is never ingested. On a CPU drafting is
+never costly by that rule and nothing is retired.
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
 drafts, and is lossless for any k), schedule, or run the target.
 """
@@ -58,6 +71,8 @@ PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to
 MIN_GAIN = 0.05  # speculate only when the expected gain over k = 0 is at least 5% of the step's token rate
 REST_SHARE = 0.03  # deciding "no drafts" may cost at most ~3% of the time of the steps it covers
 MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
+EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per proposer is never retired (it probes)
+COSTLY_SHARE = 0.01  # drafting is costly when one request's proposer call takes >= 1% of the step
 
 
 class AdaptiveK(ConfiguredK):
@@ -89,14 +104,51 @@ class AdaptiveK(ConfiguredK):
         self.chosen_k: dict[Any, list[int]] = defaultdict(list)
         self.propose_ms: dict[Any, float] = {}  # per proposer key: EMA of the drafting time per request (ms)
         self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
+        self._retired: set[str] = set()  # request ids whose proposer does no work (see the module docstring)
+        self._explorers: set[str] = set()  # request ids that are never retired
+        self._checked: set[str] = set()  # request ids checked for retiring at least once
+        self._added: dict[Any, int] = defaultdict(int)  # proposer key -> requests added (explorer choice)
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
         self.rest_steps = 0  # plain steps left before the next decision
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
     def add_request(self, req: Request) -> None:
-        """Track a request of an adaptive config."""
-        self.tracker.add_request(req.request_id, req.spec_config, proposer_key(req.spec_config))
+        """Track a request of an adaptive config (every EXPLORE_EVERY-th of its proposer, the first
+        included, is an explorer: never retired)."""
+        key = proposer_key(req.spec_config)
+        self.tracker.add_request(req.request_id, req.spec_config, key)
+        if self._added[key] % EXPLORE_EVERY == 0:
+            self._explorers.add(req.request_id)
+        self._added[key] += 1
+
+    def wants_prepare(self, req: Request, num_seqs: int) -> bool:
+        """Whether the proposer should keep `req`'s state up to date between steps (its `prepare`):
+        False for a retired request. A request not checked yet is checked here (`num_seqs`: the step's
+        sequences), so one that would never be drafted for is retired before its prompt is ingested."""
+        rid = req.request_id
+        if rid in self._retired:
+            return False
+        if rid in self._checked or rid in self._explorers or not req.spec_config.adaptive:
+            return True
+        key = proposer_key(req.spec_config)
+        step = self.step_cost.step_ms(num_seqs, num_seqs)
+        if self.propose_ms.get(key, 0.0) < COSTLY_SHARE * step:
+            return True  # drafting is cheap (or not measured yet): nothing to save
+        self._checked.add(rid)
+        k_cap = max(req.spec_config.k_for_batch_size(num_seqs), 1)
+        pre = choose_draft_lengths([DraftOption(self.tracker.estimates(rid, k_cap))], self.step_cost.step_ms,
+                                   num_other_tokens=num_seqs - 1, num_other_seqs=num_seqs - 1,
+                                   objective=self.objective, draft_token_ms=self.step_cost.draft_overhead_ms)
+        if pre.ks[0] == 0:
+            self._retired.add(rid)
+            return False
+        return True
+
+    @property
+    def num_retired(self) -> int:
+        """Running requests whose proposer does no work now."""
+        return len(self._retired)
 
     def draft(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, *, num_other_tokens: int,
               num_other_seqs: int) -> list[Proposal]:
@@ -218,15 +270,20 @@ class AdaptiveK(ConfiguredK):
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that
-        matters (at least 1% of the step per request, as on a fast GPU), a request for which k = 0 is
-        chosen even with the most optimistic estimates its history allows (no confidence signal, the
-        cap's full length) skips the proposer, except every PROBE_EVERY-th step, when it drafts anyway
-        so that its estimates can learn (`_skipped` counts the steps in a row)."""
+        matters (at least COSTLY_SHARE of the step per request, as on a fast GPU), a request for which
+        k = 0 is chosen even with the most optimistic estimates its history allows (no confidence signal,
+        the cap's full length) skips the proposer. An explorer still drafts every PROBE_EVERY-th step, so
+        that its estimates can learn (`_skipped` counts the steps in a row); any other such request is
+        retired (no proposer work until a later decision un-retires it, see the module docstring)."""
         idx = [i for group in free.values() for i in group]
         if not idx:
             return set()
         step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
-        costly_keys = {k for k, group in free.items() if self.propose_ms.get(k, 0.0) >= 0.01 * step}
+        costly_keys = {k for k, group in free.items() if self.propose_ms.get(k, 0.0) >= COSTLY_SHARE * step}
+        if self._retired:  # drafting that became cheap (e.g. a refreshed step cost) retires nobody
+            for k, group in free.items():
+                if k not in costly_keys:
+                    self._retired.difference_update(asks[i][0].request_id for i in group)
         idx = [i for i in idx if proposer_key(asks[i][0].spec_config) in costly_keys]
         if not idx:
             return set()
@@ -237,7 +294,14 @@ class AdaptiveK(ConfiguredK):
         out = set()
         for i, k in zip(idx, pre.ks):
             rid = asks[i][0].request_id
-            if k == 0 and self._skipped.get(rid, 0) < PROBE_EVERY - 1:
+            self._checked.add(rid)
+            if k > 0:
+                self._retired.discard(rid)  # its next draft ingests what it missed
+                self._skipped[rid] = 0
+            elif rid not in self._explorers:
+                self._retired.add(rid)
+                out.add(i)
+            elif self._skipped.get(rid, 0) < PROBE_EVERY - 1:
                 self._skipped[rid] = self._skipped.get(rid, 0) + 1
                 out.add(i)
             else:
@@ -257,7 +321,11 @@ class AdaptiveK(ConfiguredK):
 
     def finish_request(self, req: Request) -> None:
         """The request left the engine."""
-        self.tracker.finish_request(req.request_id)
-        self._skipped.pop(req.request_id, None)
+        rid = req.request_id
+        self.tracker.finish_request(rid)
+        self._skipped.pop(rid, None)
+        self._retired.discard(rid)
+        self._explorers.discard(rid)
+        self._checked.discard(rid)
 
 

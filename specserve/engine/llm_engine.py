@@ -401,15 +401,20 @@ class LLMEngine:
         """While the device runs the step (CUDA): each proposer's host work that needs no new tokens
         (its optional `prepare`, spec_decode/proposer.py): a suffix tree ingests a new prompt, or a
         finished request's output, here instead of in the next step's drafting. Only requests whose
-        config may draft at this batch size are passed (a batch-size table's k = 0 never ingests)."""
+        config may draft at this batch size are passed (a batch-size table's k = 0 never ingests), and
+        of adaptive configs only those the schedule has not retired (`AdaptiveK.wants_prepare`)."""
         preparers = {key: prop.prepare for key, prop in self._proposers.items() if hasattr(prop, "prepare")}
         if not preparers:  # ngram and draft-model proposers have no such work: nothing to do per step
             return
         groups: dict[Any, list[Request]] = {}
+        n = len(plan.scheduled)
         for s in plan.scheduled:
             cfg = s.request.spec_config
-            if cfg is not None and cfg.k_for_batch_size(len(plan.scheduled)) > 0:
-                groups.setdefault(proposer_key(cfg), []).append(s.request)
+            if cfg is None or cfg.k_for_batch_size(n) <= 0:
+                continue
+            if cfg.adaptive and not self.adaptive.wants_prepare(s.request, n):
+                continue
+            groups.setdefault(proposer_key(cfg), []).append(s.request)
         for key, prepare in preparers.items():
             prepare([ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, 0, r.params, r.seed)
                      for r in groups.get(key, ())])

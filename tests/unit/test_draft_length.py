@@ -199,3 +199,55 @@ def test_a_decision_dearer_than_its_gain_stops_drafting(monkeypatch):
             commit(ad, r, [7, 4] if p.token_ids else [7])
         assert ks[0] > 0 and (ks[-1] > 0) == drafts_later, (delay, ks)
         assert (ad.draft_decide_ms >= 2.0) == (not drafts_later)
+
+
+def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
+    """Where drafting is costly (a 1 ms step, 0.5 ms per proposer call and request), a request whose
+    optimistic choice is k = 0 is retired: no proposer call in decisions and no `prepare` between steps,
+    not even for a request that joins then. Explorers (the first request of a proposer and every
+    EXPLORE_EVERY-th after it) are never retired and keep probing every PROBE_EVERY steps; when their
+    outcomes lift the profile's prior, the retired requests are drafted for again. A step cost where
+    drafting is cheap retires nobody."""
+    from specserve.engine.draft_length import EXPLORE_EVERY
+
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([9] * 8, delay_ms=0.5)
+    ad = AdaptiveK(gpu, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(EXPLORE_EVERY + 1)]
+    for r in rs:
+        ad.add_request(r)
+    explorers = {rs[0].request_id, rs[EXPLORE_EVERY].request_id}
+    asks = [(r, 8) for r in rs]
+    for _ in range(3):  # the target never continues with 9: every draft is rejected
+        ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+        for r in rs:
+            commit(ad, r, [4])
+    assert ad.num_retired == len(rs) - 2
+    assert all(ad.wants_prepare(r, len(rs)) == (r.request_id in explorers) for r in rs)
+    n = len(prop.calls)
+    for _ in range(4 * PROBE_EVERY):
+        ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+        for r in rs:
+            commit(ad, r, [4])
+    asked = [rid for call in prop.calls[n:] for rid, _ in call]
+    assert set(asked) == explorers and len(asked) == 4 * len(explorers)  # explorers probe, nobody else drafts
+    joined = req("late", cfg)
+    ad.add_request(joined)  # the (EXPLORE_EVERY + 2)-th request: not an explorer, checked before its prompt
+    assert not ad.wants_prepare(joined, len(rs) + 1) and ad.num_retired == len(rs) - 1
+    # the explorers' drafts now pass: the prior rises and the retired requests draft again
+    for _ in range(6 * PROBE_EVERY):
+        props = ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+        for r, p in zip(rs, props):
+            commit(ad, r, [9] * (len(p.token_ids) + 1) if r.request_id in explorers else [4])
+        if ad.num_retired < len(rs) - 1:
+            break
+    assert ad.num_retired < len(rs) - 1 and any(rid not in explorers for rid, _ in prop.calls[-1])
+    # a CPU-like step: drafting costs < 1% of it, nobody stays retired
+    ad.step_cost = StepCostModel(list(range(1, 64)), [1000.0 + t for t in range(63)])
+    ad.draft(asks + [(joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert ad.num_retired == 0 and len(prop.calls[-1]) == len(rs) + 1
+    for r in rs + [joined]:
+        ad.finish_request(r)
+    assert not (ad._retired or ad._explorers or ad._checked)

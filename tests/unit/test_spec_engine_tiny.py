@@ -221,6 +221,39 @@ def test_any_k_sequence_gives_the_same_tokens(llm, base, tiny_model_dir, random_
             assert got == ref, (cfg.method, seed)
 
 
+
+def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
+    """Where drafting counts as costly (forced here: COSTLY_SHARE 0, as on a fast GPU), the adaptive
+    schedule retires requests (no suffix-tree work, `prepare` included, which runs between steps as on
+    CUDA) and un-retires them (their next draft ingests what they missed); with random choices every
+    step, both happen many times. Greedy tokens stay the target's and seeded sampled tokens those
+    without speculation, and nothing is left retired or tracked."""
+    from specserve.engine import draft_length
+
+    monkeypatch.setattr(draft_length, "COSTLY_SHARE", 0.0)
+    monkeypatch.setattr(draft_length, "REST_SHARE", 1e9)  # every step decides: the call sequence is fixed
+    eng = llm.engine
+    monkeypatch.setattr(eng, "overlap_host_work", True)
+    cfg = adaptive(SpeculativeConfig("suffix", 6, suffix_decoding_max_cached_requests=7))
+    eng.prepare_speculative_config(cfg)
+    verdicts = []
+    wants = eng.adaptive.wants_prepare
+
+    def spy(req, n):
+        verdicts.append(wants(req, n))
+        return verdicts[-1]
+
+    monkeypatch.setattr(eng.adaptive, "wants_prepare", spy)
+    outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=cfg)
+    for p, o in zip(PROMPTS, outs):
+        assert o.outputs[0].token_ids == base[p].token_ids, p
+    p = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, speculative_config=None)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, speculative_config=cfg)] == ref
+    assert True in verdicts and False in verdicts  # prepared and skipped requests both
+    assert eng.adaptive.num_retired == 0 and eng.adaptive.tracker.num_requests == 0
+
+
 class RandomK:
     """A KPolicy (the step plan's hook) that wants a random k per request and step, 0 included; the
     scheduler's caps still apply after it."""
