@@ -52,8 +52,9 @@ drafts, and is lossless for any k), schedule, or run the target.
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable, Sequence
 
 from specserve.engine.k_policy import ConfiguredK
@@ -73,6 +74,8 @@ REST_SHARE = 0.03  # deciding "no drafts" may cost at most ~3% of the time of th
 MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
 EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per proposer is never retired (it probes)
 COSTLY_SHARE = 0.01  # drafting is costly when one request's proposer call takes >= 1% of the step
+PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
+MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
 
 
 class AdaptiveK(ConfiguredK):
@@ -102,7 +105,11 @@ class AdaptiveK(ConfiguredK):
         self.tracker = AcceptanceTracker()
         self.last_choice: Choice | None = None
         self.chosen_k: dict[Any, list[int]] = defaultdict(list)
-        self.propose_ms: dict[Any, float] = {}  # per proposer key: EMA of the drafting time per request (ms)
+        # per proposer key: the drafting time per request (ms), the median of the last PROPOSE_SAMPLES calls
+        # once there are MIN_PROPOSE_SAMPLES (a call that ingests a new prompt on the CPU, ~5 ms for 2000
+        # tokens, must not make drafting look costly for the next steps: it is a one-off)
+        self.propose_ms: dict[Any, float] = {}
+        self._propose_samples: dict[Any, deque] = defaultdict(lambda: deque(maxlen=PROPOSE_SAMPLES))
         self._skipped: dict[str, int] = {}  # request id -> steps in a row it did not draft
         self._retired: set[str] = set()  # request ids whose proposer does no work (see the module docstring)
         self._explorers: set[str] = set()  # request ids that are never retired
@@ -222,7 +229,10 @@ class AdaptiveK(ConfiguredK):
             t0 = time.perf_counter()
             props = propose([asks[i] for i in idx])
             ms = 1000 * (time.perf_counter() - t0) / len(idx)
-            self.propose_ms[key] = ms if key not in self.propose_ms else 0.9 * self.propose_ms[key] + 0.1 * ms
+            samples = self._propose_samples[key]
+            samples.append(ms)
+            if len(samples) >= MIN_PROPOSE_SAMPLES:  # before that drafting counts as not measured (cheap)
+                self.propose_ms[key] = statistics.median(samples)
             for i, p in zip(idx, props):
                 r, cap = asks[i]
                 p = Proposal(list(p.token_ids[:cap]), p.draft_probs, p.match_len, p.confidence)

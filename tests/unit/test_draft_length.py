@@ -220,7 +220,7 @@ def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
         ad.add_request(r)
     explorers = {rs[0].request_id, rs[EXPLORE_EVERY].request_id}
     asks = [(r, 8) for r in rs]
-    for _ in range(3):  # the target never continues with 9: every draft is rejected
+    for _ in range(5):  # the target never continues with 9: every draft is rejected
         ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
         for r in rs:
             commit(ad, r, [4])
@@ -251,3 +251,24 @@ def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
     for r in rs + [joined]:
         ad.finish_request(r)
     assert not (ad._retired or ad._explorers or ad._checked)
+
+
+def test_one_slow_proposer_call_does_not_make_drafting_costly(monkeypatch):
+    """A first call that ingests a long prompt (20 ms here) is a one-off: the drafting time is the median
+    of recent calls (from the third on), so after two fast ones drafting is cheap against a 100 ms step
+    and nothing is skipped or retired."""
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
+    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([9] * 8, delay_ms=20.0)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    rs = [req(f"q{i}", cfg) for i in range(3)]
+    for r in rs:
+        ad.add_request(r)
+    asks = [(r, 8) for r in rs]
+    for step in range(6):
+        ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+        prop.delay_ms = 0.0
+        for r in rs:
+            commit(ad, r, [4])
+    key = next(iter(ad.propose_ms))
+    assert ad.propose_ms[key] < 1.0 and ad.num_retired == 0 and len(prop.calls[-1]) == len(rs)
