@@ -28,7 +28,8 @@ half-range of 35%),
 and in two re-run checks of the issue's grid with the pooled band (`benchmarks/sweep_repro.py`, margin
 0.25) the one recommendation of each that did not reproduce was a profile the first run had cut after
 one repeat, while every (segment, concurrency) left whole reproduced (docs/benchmarks/sweep_cpu.json). Unpruned, that grid is
-~108 runs of ~13 s on that machine (~24 minutes).
+108 runs of ~10-14 s on that machine (18-25 minutes), and an unpruned pair on a quiet machine reproduced
+6 of 6 (docs/benchmarks/sweep_cpu_unpruned.json).
 With --server-cmd every server runs all its repeats before the next starts, so there is nothing to cut.
 What it does not do: print or write files (`sweep_cli.py`), or draw (`sweep_report.py`).
 """

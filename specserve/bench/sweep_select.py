@@ -19,9 +19,10 @@ TTFT and acceptance. `recommend` picks per (segment, concurrency) the profile to
 Why pooled: a rule that prefers the smaller k puts its pick at the edge of the band, so the band must
 not depend on which two profiles are compared. With each pair's own half-ranges (two repeats each),
 a re-run on the 2-core CPU picked another k in 2 of 6 cases; on those recorded runs the pooled,
-relative band picks the same profile in 5 of 6, and two new re-run pairs with it reproduced 5 of 6
+relative band picks the same profile in 5 of 6, two new re-run pairs with it reproduced 5 of 6
 each, both misses profiles that pruning had cut after one repeat (docs/benchmarks/sweep_cpu.json,
-sweep_cpu_pooled_run1.json; README).
+sweep_cpu_pooled_run1.json; README), and an unpruned pair on a quiet machine reproduced 6 of 6
+(docs/benchmarks/sweep_cpu_unpruned.json).
 
 So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
 k only where it beats a shallower one by more than the noise. A band of 1 or more (possible with three or
