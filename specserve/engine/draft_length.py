@@ -39,11 +39,16 @@ between steps (`wants_prepare` is False: a suffix tree does not ingest its promp
 Probing a request needs its proposer state up to date, and keeping that state is the cost (on the
 H200 at 16 concurrent requests the Python suffix trees' ingestion took ~0.5 ms of a 1.6 ms step while
 the schedule rested in 1031 of 1094 decisions, `docs/benchmarks/gpu_adaptive_diag_random05.json`).
-So only explorers probe: every EXPLORE_EVERY-th request of a proposer (the first included) is never
+So only explorers probe: every EXPLORE_EVERY-th request of a config (the first included) is never
 retired and keeps the probing above; its outcomes feed the profile's prior, from which the retired
-requests' estimates come. Every decision re-checks the retired requests (no proposer work: their
+requests' estimates come. When an explorer finishes, the config's oldest running non-explorer becomes
+one, so a config with running requests keeps probing. A retired request's own estimates do not move
+(it drafts nothing): text that turns repetitive late in a retired request is seen only through the
+prior. Its output does not reach the suffix proposer's global tree either (that proposer caches the
+outputs of requests it drafted for). Every decision re-checks the retired requests (no proposer work: their
 estimates only); one whose optimistic choice is k > 0 again (a smaller batch, a better prior) is
-un-retired and its next draft ingests what it missed. A new request is checked the same way before its
+un-retired, skips drafting in that step, and the `prepare` that follows (overlapped with the GPU)
+ingests what it missed. A new request is checked the same way before its
 first `prepare`, so a prompt that would never be drafted for is never ingested. On a CPU drafting is
 never costly by that rule and nothing is retired.
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
@@ -114,20 +119,22 @@ class AdaptiveK(ConfiguredK):
         self._retired: set[str] = set()  # request ids whose proposer does no work (see the module docstring)
         self._explorers: set[str] = set()  # request ids that are never retired
         self._checked: set[str] = set()  # request ids checked for retiring at least once
-        self._added: dict[Any, int] = defaultdict(int)  # proposer key -> requests added (explorer choice)
+        self._added: dict[Any, int] = defaultdict(int)  # config -> requests added (explorer choice)
+        self._running: dict[Any, dict[str, None]] = defaultdict(dict)  # config -> running request ids, oldest first
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
         self.rest_steps = 0  # plain steps left before the next decision
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
     def add_request(self, req: Request) -> None:
-        """Track a request of an adaptive config (every EXPLORE_EVERY-th of its proposer, the first
+        """Track a request of an adaptive config (every EXPLORE_EVERY-th of its config, the first
         included, is an explorer: never retired)."""
-        key = proposer_key(req.spec_config)
-        self.tracker.add_request(req.request_id, req.spec_config, key)
-        if self._added[key] % EXPLORE_EVERY == 0:
+        cfg = req.spec_config
+        self.tracker.add_request(req.request_id, cfg, proposer_key(cfg))
+        if self._added[cfg] % EXPLORE_EVERY == 0:
             self._explorers.add(req.request_id)
-        self._added[key] += 1
+        self._added[cfg] += 1
+        self._running[cfg][req.request_id] = None
 
     def wants_prepare(self, req: Request, num_seqs: int) -> bool:
         """Whether the proposer should keep `req`'s state up to date between steps (its `prepare`):
@@ -306,8 +313,10 @@ class AdaptiveK(ConfiguredK):
             rid = asks[i][0].request_id
             self._checked.add(rid)
             if k > 0:
-                self._retired.discard(rid)  # its next draft ingests what it missed
                 self._skipped[rid] = 0
+                if rid in self._retired:  # no draft this step: `prepare` ingests what it missed (overlapped)
+                    self._retired.discard(rid)
+                    out.add(i)
             elif rid not in self._explorers:
                 self._retired.add(rid)
                 out.add(i)
@@ -335,7 +344,14 @@ class AdaptiveK(ConfiguredK):
         self.tracker.finish_request(rid)
         self._skipped.pop(rid, None)
         self._retired.discard(rid)
-        self._explorers.discard(rid)
         self._checked.discard(rid)
+        running = self._running.get(req.spec_config, {})
+        running.pop(rid, None)
+        if rid in self._explorers:  # keep the config's explorers: the oldest running non-explorer takes over
+            self._explorers.discard(rid)
+            heir = next((r for r in running if r not in self._explorers), None)
+            if heir is not None:
+                self._explorers.add(heir)
+                self._retired.discard(heir)  # its next draft (a probe) ingests what it missed
 
 

@@ -243,7 +243,11 @@ def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
             commit(ad, r, [9] * (len(p.token_ids) + 1) if r.request_id in explorers else [4])
         if ad.num_retired < len(rs) - 1:
             break
-    assert ad.num_retired < len(rs) - 1 and any(rid not in explorers for rid, _ in prop.calls[-1])
+    assert ad.num_retired < len(rs) - 1
+    back = [r for r in rs if r.request_id not in explorers and ad.wants_prepare(r, len(rs))]
+    assert back  # un-retired: no draft in that step, `prepare` (overlapped on CUDA) catches its tree up first
+    ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert {r.request_id for r in back} <= {rid for rid, _ in prop.calls[-1]}  # then it drafts
     # a CPU-like step: drafting costs < 1% of it, nobody stays retired
     ad.step_cost = StepCostModel(list(range(1, 64)), [1000.0 + t for t in range(63)])
     ad.draft(asks + [(joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
@@ -272,3 +276,40 @@ def test_one_slow_proposer_call_does_not_make_drafting_costly(monkeypatch):
             commit(ad, r, [4])
     key = next(iter(ad.propose_ms))
     assert ad.propose_ms[key] < 1.0 and ad.num_retired == 0 and len(prop.calls[-1]) == len(rs)
+
+
+def test_a_finished_explorer_hands_probing_to_a_running_request(monkeypatch):
+    """When the explorers finish, the config's oldest running non-explorer becomes one (and is
+    un-retired), so retired requests are not left without anyone probing: once drafts would pass, the
+    prior rises and everyone drafts again. Explorers are counted per config."""
+    from specserve.engine.draft_length import EXPLORE_EVERY
+
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([9] * 8, delay_ms=0.5)
+    ad = AdaptiveK(gpu, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(EXPLORE_EVERY + 1)]
+    for r in rs:
+        ad.add_request(r)
+    other = req("o", SpeculativeConfig("suffix", 6, num_speculative_tokens_schedule="adaptive"))
+    ad.add_request(other)
+    assert "o" in ad._explorers  # the first request of its own config
+    asks = [(r, 8) for r in rs]
+    for _ in range(5):  # every draft rejected: all but the two explorers retire
+        ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+        for r in rs:
+            commit(ad, r, [4])
+    assert ad.num_retired == len(rs) - 2
+    for r in (rs[0], rs[EXPLORE_EVERY]):  # the explorers finish
+        ad.finish_request(r)
+    left = rs[1:EXPLORE_EVERY]
+    assert {"r1", "r2"} <= ad._explorers and ad.num_retired == len(left) - 2
+    drafted = 0
+    for _ in range(12 * PROBE_EVERY):  # now every draft would pass
+        n = len(prop.calls)
+        props = ad.draft([(r, 8) for r in left], via(prop), num_other_tokens=0, num_other_seqs=0)
+        drafted += len(prop.calls) > n
+        for r, p in zip(left, props):
+            commit(ad, r, [9] * (len(p.token_ids) + 1))
+    assert drafted and ad.num_retired == 0 and len(prop.calls[-1]) == len(left)

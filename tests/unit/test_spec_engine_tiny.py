@@ -229,6 +229,7 @@ def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
     step, both happen many times. Greedy tokens stay the target's and seeded sampled tokens those
     without speculation, and nothing is left retired or tracked."""
     from specserve.engine import draft_length
+    from specserve.spec_decode import proposer_key
 
     monkeypatch.setattr(draft_length, "COSTLY_SHARE", 0.0)
     monkeypatch.setattr(draft_length, "REST_SHARE", 1e9)  # every step decides: the call sequence is fixed
@@ -236,14 +237,25 @@ def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
     monkeypatch.setattr(eng, "overlap_host_work", True)
     cfg = adaptive(SpeculativeConfig("suffix", 6, suffix_decoding_max_cached_requests=7))
     eng.prepare_speculative_config(cfg)
-    verdicts = []
+    verdicts, refused = [], set()
     wants = eng.adaptive.wants_prepare
 
     def spy(req, n):
         verdicts.append(wants(req, n))
+        if not verdicts[-1]:
+            refused.add(req.request_id)
         return verdicts[-1]
 
+    prop = eng._proposers[proposer_key(cfg)]
+    prepare = prop.prepare
+
+    def checked_prepare(inputs):  # a request refused in this step's verdicts gets no proposer work
+        assert not refused & {i.request_id for i in inputs}
+        refused.clear()
+        return prepare(inputs)
+
     monkeypatch.setattr(eng.adaptive, "wants_prepare", spy)
+    monkeypatch.setattr(prop, "prepare", checked_prepare)
     outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=cfg)
     for p, o in zip(PROMPTS, outs):
         assert o.outputs[0].token_ids == base[p].token_ids, p
