@@ -201,13 +201,10 @@ def test_a_decision_dearer_than_its_gain_stops_drafting(monkeypatch):
         assert (ad.draft_decide_ms >= 2.0) == (not drafts_later)
 
 
-def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
-    """Where drafting is costly (a 1 ms step, 0.5 ms per proposer call and request), a request whose
-    optimistic choice is k = 0 is retired: no proposer call in decisions and no `prepare` between steps,
-    not even for a request that joins then. Explorers (the first request of a proposer and every
-    EXPLORE_EVERY-th after it) are never retired and keep probing every PROBE_EVERY steps; when their
-    outcomes lift the profile's prior, the retired requests are drafted for again. A step cost where
-    drafting is cheap retires nobody."""
+def retired_batch(monkeypatch):
+    """EXPLORE_EVERY + 1 requests of one adaptive suffix config on a GPU-like step (1 ms) with a proposer
+    costing 0.5 ms per request, every step deciding; after 5 steps of rejected drafts all but the two
+    explorers (the first and the last) are retired. Returns (config, proposer, policy, requests)."""
     from specserve.engine.draft_length import EXPLORE_EVERY
 
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
@@ -218,13 +215,26 @@ def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
     rs = [req(f"r{i}", cfg) for i in range(EXPLORE_EVERY + 1)]
     for r in rs:
         ad.add_request(r)
-    explorers = {rs[0].request_id, rs[EXPLORE_EVERY].request_id}
-    asks = [(r, 8) for r in rs]
     for _ in range(5):  # the target never continues with 9: every draft is rejected
-        ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
+        ad.draft([(r, 8) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
         for r in rs:
             commit(ad, r, [4])
     assert ad.num_retired == len(rs) - 2
+    return cfg, prop, ad, rs
+
+
+def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
+    """Where drafting is costly (a 1 ms step, 0.5 ms per proposer call and request), a request whose
+    optimistic choice is k = 0 is retired: no proposer call in decisions and no `prepare` between steps,
+    not even for a request that joins then. Explorers (the first request of a proposer and every
+    EXPLORE_EVERY-th after it) are never retired and keep probing every PROBE_EVERY steps; when their
+    outcomes lift the profile's prior, the retired requests are drafted for again. A step cost where
+    drafting is cheap retires nobody."""
+    from specserve.engine.draft_length import EXPLORE_EVERY
+
+    cfg, prop, ad, rs = retired_batch(monkeypatch)
+    explorers = {rs[0].request_id, rs[EXPLORE_EVERY].request_id}
+    asks = [(r, 8) for r in rs]
     assert all(ad.wants_prepare(r, len(rs)) == (r.request_id in explorers) for r in rs)
     n = len(prop.calls)
     for _ in range(4 * PROBE_EVERY):
@@ -284,23 +294,10 @@ def test_a_finished_explorer_hands_probing_to_a_running_request(monkeypatch):
     prior rises and everyone drafts again. Explorers are counted per config."""
     from specserve.engine.draft_length import EXPLORE_EVERY
 
-    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
-    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
-    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([9] * 8, delay_ms=0.5)
-    ad = AdaptiveK(gpu, lambda c: prop)
-    rs = [req(f"r{i}", cfg) for i in range(EXPLORE_EVERY + 1)]
-    for r in rs:
-        ad.add_request(r)
+    cfg, prop, ad, rs = retired_batch(monkeypatch)
     other = req("o", SpeculativeConfig("suffix", 6, num_speculative_tokens_schedule="adaptive"))
     ad.add_request(other)
     assert "o" in ad._explorers  # the first request of its own config
-    asks = [(r, 8) for r in rs]
-    for _ in range(5):  # every draft rejected: all but the two explorers retire
-        ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
-        for r in rs:
-            commit(ad, r, [4])
-    assert ad.num_retired == len(rs) - 2
     for r in (rs[0], rs[EXPLORE_EVERY]):  # the explorers finish
         ad.finish_request(r)
     left = rs[1:EXPLORE_EVERY]
