@@ -83,7 +83,8 @@ def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
                    help="CPU linear layers: auto = prepacked oneDNN weights for float32 (faster here, a row's "
                         "result the same alone and in a batch), else F.linear; onednn = oneDNN or an error; "
-                        "torch = F.linear (MKL)")
+                        "torch = F.linear (MKL; faster for one row on some Intel CPUs, but there a row's result "
+                        "depends on the batch, so speculation is not bit-exact)")
 
 
 # ---- generate -------------------------------------------------------------------------------------------

@@ -264,7 +264,10 @@ class EngineConfig:
             where this torch build has it, else F.linear / MKL), "onednn" (oneDNN, or an error where this
             torch build lacks it), "torch" (F.linear / MKL). In float32 oneDNN gives a row the same
             result alone and in any batch (`specserve.model.cpu_linear`), so seeded sampling is batch
-            invariant; its bfloat16 kernels are not, so "auto" keeps F.linear there.
+            invariant; its bfloat16 kernels are not, so "auto" keeps F.linear there. F.linear (MKL) is
+            not row independent on every CPU (on an Intel host a lone row and a row in a batch differ in
+            the last bits, docs/cpu_performance.md), so with "torch" fp32 greedy speculation can leave
+            the baseline at near-ties there.
         enable_prefix_caching: automatic prefix caching (vLLM's flag, on by default): a finished
             request's KV slot keeps its committed tokens' keys/values, and a new request whose prompt
             shares a prefix with them prefills only the rest (docs/prefix_caching.md). Exact: the
