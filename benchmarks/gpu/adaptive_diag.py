@@ -103,8 +103,8 @@ def instrument_adaptive(ad, log: StepLog) -> None:
     ad.draft = wrapped
     wants = ad.wants_prepare
 
-    def wants_prepare(req, n):
-        kept = wants(req, n)
+    def wants_prepare(req, n, num_tokens=None):
+        kept = wants(req, n, num_tokens)
         log.add("prepare_kept" if kept else "prepare_retired", 1)
         return kept
 

@@ -136,23 +136,25 @@ class AdaptiveK(ConfiguredK):
         self._added[cfg] += 1
         self._running[cfg][req.request_id] = None
 
-    def wants_prepare(self, req: Request, num_seqs: int) -> bool:
+    def wants_prepare(self, req: Request, num_seqs: int, num_tokens: int | None = None) -> bool:
         """Whether the proposer should keep `req`'s state up to date between steps (its `prepare`):
-        False for a retired request. A request not checked yet is checked here (`num_seqs`: the step's
-        sequences), so one that would never be drafted for is retired before its prompt is ingested."""
+        False for a retired request. A request not checked yet is checked here (`num_seqs`, `num_tokens`:
+        the step's sequences and new tokens, prefill chunks included; tokens default to one per
+        sequence), so one that would never be drafted for is retired before its prompt is ingested."""
         rid = req.request_id
         if rid in self._retired:
             return False
         if rid in self._checked or rid in self._explorers or not req.spec_config.adaptive:
             return True
         key = proposer_key(req.spec_config)
-        step = self.step_cost.step_ms(num_seqs, num_seqs)
+        num_tokens = max(num_seqs if num_tokens is None else num_tokens, num_seqs)
+        step = self.step_cost.step_ms(num_tokens, num_seqs)
         if self.propose_ms.get(key, 0.0) < COSTLY_SHARE * step:
             return True  # drafting is cheap (or not measured yet): nothing to save
         self._checked.add(rid)
         k_cap = max(req.spec_config.k_for_batch_size(num_seqs), 1)
         pre = choose_draft_lengths([DraftOption(self.tracker.estimates(rid, k_cap))], self.step_cost.step_ms,
-                                   num_other_tokens=num_seqs - 1, num_other_seqs=num_seqs - 1,
+                                   num_other_tokens=num_tokens - 1, num_other_seqs=num_seqs - 1,
                                    objective=self.objective, draft_token_ms=self.step_cost.draft_overhead_ms)
         if pre.ks[0] == 0:
             self._retired.add(rid)

@@ -412,7 +412,7 @@ class LLMEngine:
             cfg = s.request.spec_config
             if cfg is None or cfg.k_for_batch_size(n) <= 0:
                 continue
-            if cfg.adaptive and not self.adaptive.wants_prepare(s.request, n):
+            if cfg.adaptive and not self.adaptive.wants_prepare(s.request, n, plan.num_tokens):
                 continue
             groups.setdefault(proposer_key(cfg), []).append(s.request)
         for key, prepare in preparers.items():

@@ -240,8 +240,8 @@ def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
     verdicts, refused = [], set()
     wants = eng.adaptive.wants_prepare
 
-    def spy(req, n):
-        verdicts.append(wants(req, n))
+    def spy(req, n, num_tokens=None):
+        verdicts.append(wants(req, n, num_tokens))
         if not verdicts[-1]:
             refused.add(req.request_id)
         return verdicts[-1]
