@@ -73,11 +73,11 @@ from specserve.spec_decode.proposer import Proposal, Proposer
 ProposeFn = Callable[[Sequence[tuple[Request, int]]], Sequence[Proposal]]
 
 
-PROBE_EVERY = 4  # a request that skips drafting still drafts every 4th step, to keep learning
+PROBE_EVERY = 4  # an explorer that skips drafting still drafts every 4th step, to keep learning
 MIN_GAIN = 0.05  # speculate only when the expected gain over k = 0 is at least 5% of the step's token rate
 REST_SHARE = 0.03  # deciding "no drafts" may cost at most ~3% of the time of the steps it covers
 MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
-EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per proposer is never retired (it probes)
+EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per config is never retired (it probes)
 COSTLY_SHARE = 0.01  # drafting is costly when one request's proposer call takes >= 1% of the step
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
@@ -354,6 +354,6 @@ class AdaptiveK(ConfiguredK):
             heir = next((r for r in running if r not in self._explorers), None)
             if heir is not None:
                 self._explorers.add(heir)
-                self._retired.discard(heir)  # its next draft (a probe) ingests what it missed
+                self._retired.discard(heir)  # the next `prepare` ingests what it missed
 
 
