@@ -229,13 +229,17 @@ class SpeculativeConfig:
         return d
 
     def to_dict(self) -> dict[str, Any]:
-        """The non-default keys plus method and k, JSON-ready."""
+        """The non-default keys plus method and k, JSON-ready; `SpeculativeConfig(**d)` gives this config
+        back. The two n-gram sizes go together: a lone size stands for both (`__post_init__`), so
+        writing only min 2 of (2, 4) would read back as (2, 2)."""
         out = {}
         defaults = {f.name: f.default for f in fields(self)}
         defaults["prompt_lookup_min"], defaults["prompt_lookup_max"] = DEFAULT_PROMPT_LOOKUP
         for k, v in asdict(self).items():
             if k in ("method", "num_speculative_tokens") or v != defaults[k]:
                 out[k] = v
+        if "prompt_lookup_min" in out or "prompt_lookup_max" in out:
+            out["prompt_lookup_min"], out["prompt_lookup_max"] = self.prompt_lookup_min, self.prompt_lookup_max
         return out
 
 

@@ -30,7 +30,7 @@ DEFAULT_PROFILES = {
         # adaptive: k per request and step from the measured step cost and acceptance (docs/adaptive-speculation.md).
         # It replaced constant k (ngram k 4, suffix k 8), which lost on tool_call, chat and summarize text
         # (0.76-0.90x); adaptive held >= 0.97x on every segment (docs/benchmarks/adaptive_cpu.json). Its cost:
-        # the server times the model's step once per model, dtype and device (~35 s on the 2-core CPU, cached).
+        # the server times the model's step once per model, dtype and device (15-35 s on the 2-core CPU, cached).
         "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
                            "prompt_lookup_max": 4, "num_speculative_tokens_schedule": "adaptive"},
         "suffix_adaptive": {"method": "suffix", "num_speculative_tokens": 8, "num_speculative_tokens_schedule": "adaptive"},
@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="closed-loop concurrency, e.g. 1,4 (default 1)")
     p.add_argument("--profiles", metavar="FILE",
                    help='profiles file as `serve --profiles` ({"profiles": {name: config|null}}); '
-                        "default: baseline, ngram_4 (ngram k=4, lookup 2-4) and suffix (SuffixDecoding k=8)")
+                        "default: baseline, ngram_adaptive (ngram, lookup 2-4) and suffix_adaptive (SuffixDecoding), "
+                        "both up to k=8 with the adaptive draft length")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per profile, not counted (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sample seed (same seed, same requests)")
     p.add_argument("--output-dir", default="out/demo", help="where the report and summaries go (default out/demo)")
@@ -199,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         adaptive = any(p.spec_config is not None and p.spec_config.adaptive for p in pset.profiles.values())
         _say(f"2/4 starting the server with profiles {', '.join(names)} (log {out / 'server.log'})"
-             + ("; the adaptive profiles' step cost is measured on the first start (~35 s on 2 CPU cores, "
+             + ("; the adaptive profiles' step cost is measured on the first start (15-35 s on 2 CPU cores, "
                 "then cached)" if adaptive else ""))
         t = time.perf_counter()
         server.start(args.server_timeout, "--server-timeout")

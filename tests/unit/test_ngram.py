@@ -175,3 +175,14 @@ def test_proposer_key_ignores_k_only():
     m2 = SpeculativeConfig(method="draft_model", model="y", num_speculative_tokens=1)
     assert proposer_key(m1) != proposer_key(m2)
     assert proposer_key(None) is None
+
+
+def test_config_to_dict_round_trips_the_ngram_sizes():
+    """`to_dict` writes both n-gram sizes when either differs from the default: a lone size stands for
+    both, so (2, 4) written as {min: 2} read back as (2, 2) (seen in the demo's demo.json)."""
+
+    for lo, hi in ((2, 4), (1, 4), (1, 3), (3, 3), (2, 6)):
+        cfg = SpeculativeConfig("ngram", 8, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                                num_speculative_tokens_schedule="adaptive")
+        assert SpeculativeConfig(**cfg.to_dict()) == cfg, (lo, hi, cfg.to_dict())
+    assert "prompt_lookup_min" not in SpeculativeConfig("ngram", 4).to_dict()  # the defaults stay out
