@@ -93,6 +93,8 @@ def main() -> None:
             for rep in range(args.reps):
                 for n in names[rep % len(names):] + names[: rep % len(names)]:
                     rows[n].append(run(n))
+                Path(args.out).write_text(json.dumps(res, indent=1))  # a timeout keeps the finished reps
+                print(f"rep {rep}: " + ", ".join(f"{n} {v[-1]['tok_s']:.0f}" for n, v in rows.items()), flush=True)
             base = statistics.median(x["tok_s"] for x in rows["baseline"])
             print(f"{target} {mode}: " + ", ".join(
                 f"{n} {statistics.median(x['tok_s'] for x in v) / base:.2f}x "

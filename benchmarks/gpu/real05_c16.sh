@@ -5,7 +5,7 @@
 # (c16_reps.py: baseline, ngram, suffix and both adaptive profiles, 5 reps) and the per-step diagnosis
 # (adaptive_diag.py). Data (prompts.json from `bench_gpu.py prepare`) in $1 (default /root/gpudata);
 # gguf on PYTHONPATH from /root/site. Results go to $OUT.
-#   bash benchmarks/gpu/real05_c16.sh [DATA_DIR]
+#   [PROFILES=a,b REQUESTS=96 REPS=5 C16_TIMEOUT=330 SKIP_DIAG=1] bash benchmarks/gpu/real05_c16.sh [DATA_DIR]
 set -o pipefail
 DATA=${1:-/root/gpudata}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -16,9 +16,11 @@ cd "$REPO" || exit 1
 export PYTHONPATH=/root/site:$REPO PYTHONUNBUFFERED=1 SPECSERVE_HOME=${SPECSERVE_HOME:-/root/ss}
 python3 -c "from specserve.hub import resolve_model; print(resolve_model('/root/models/q05.gguf'))" 2>&1 | tail -2
 M=qwen2.5-coder-0.5b-instruct
-timeout 330 python3 benchmarks/gpu/c16_reps.py --prompts "$DATA/prompts.json" --model $M --modes default \
-  --profiles baseline,ngram,suffix,ngram_adaptive,suffix_adaptive --requests 96 --reps 5 \
+PROFILES=${PROFILES:-baseline,ngram,suffix,ngram_adaptive,suffix_adaptive}
+timeout ${C16_TIMEOUT:-330} python3 benchmarks/gpu/c16_reps.py --prompts "$DATA/prompts.json" --model $M --modes default \
+  --profiles $PROFILES --requests ${REQUESTS:-96} --reps ${REPS:-5} \
   --out "$OUT/c16_reps.json" 2>&1 | grep -v Warning | tee "$OUT/c16.log" | tail -25
+[ -n "$SKIP_DIAG" ] && exit 0
 timeout 150 python3 benchmarks/gpu/adaptive_diag.py --prompts "$DATA/prompts.json" --model $M \
   --profiles baseline,ngram_adaptive,suffix_adaptive --out "$OUT/diag_real.json" 2>&1 | grep -v Warning \
   | tee "$OUT/diag.log" | tail -8

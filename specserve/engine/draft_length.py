@@ -34,7 +34,10 @@ steps) it changes nothing.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Retiring: where drafting is costly (the 1% rule of step 1), a request whose optimistic choice is k = 0
-does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
+(its estimates at the cap's full length, with each request it would be proposed for charged its share
+of a drafting decision's measured time, `decide_ms_per_request`, as the decision itself charges the
+whole; without that share the checks kept 8614 of 8629 request-steps' `prepare` on the H200 at 16
+concurrent while 557 of 625 decisions drafted nothing, `docs/benchmarks/gpu_adaptive_diag_real05_s9.json`) does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
 between steps (`wants_prepare` is False: a suffix tree does not ingest its prompt or its new tokens).
 Probing a request needs its proposer state up to date, and keeping that state is the cost (on the
 H200 at 16 concurrent requests the Python suffix trees' ingestion took ~0.5 ms of a 1.6 ms step while
@@ -42,9 +45,11 @@ the schedule rested in 1031 of 1094 decisions, `docs/benchmarks/gpu_adaptive_dia
 So only explorers probe: every EXPLORE_EVERY-th request of a config (the first included) is never
 retired and keeps the probing above; its outcomes feed the profile's prior, from which the retired
 requests' estimates come. When an explorer finishes, the config's oldest running non-explorer becomes
-one, so a config with running requests keeps probing. A retired request's own estimates do not move
-(it drafts nothing): text that turns repetitive late in a retired request is seen only through the
-prior. Its output does not reach the suffix proposer's global tree either (that proposer caches the
+one, so a config with running requests keeps probing. A retired request drafts nothing, so its own
+evidence would stay as it was when it was retired; instead it ages at every re-check (weighed by
+REQUEST_DECAY, as one more draft would weigh it, `AcceptanceTracker.age`), and its estimates drift
+to the profile's prior, which the explorers keep current: text that turns repetitive late in a retired
+request is seen only through that prior. Its output does not reach the suffix proposer's global tree either (that proposer caches the
 outputs of requests it drafted for). Every decision re-checks the retired requests (no proposer work: their
 estimates only); one whose optimistic choice is k > 0 again (a smaller batch, a better prior) is
 un-retired, skips drafting in that step, and the `prepare` that follows (overlapped with the GPU)
@@ -123,6 +128,7 @@ class AdaptiveK(ConfiguredK):
         self._running: dict[Any, dict[str, None]] = defaultdict(dict)  # config -> running request ids, oldest first
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
+        self.decide_ms_per_request = 0.0  # EMA of such a decision's time per request it proposed for, ms
         self.rest_steps = 0  # plain steps left before the next decision
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
@@ -155,7 +161,8 @@ class AdaptiveK(ConfiguredK):
         k_cap = max(req.spec_config.k_for_batch_size(num_seqs), 1)
         pre = choose_draft_lengths([DraftOption(self.tracker.estimates(rid, k_cap))], self.step_cost.step_ms,
                                    num_other_tokens=num_tokens - 1, num_other_seqs=num_seqs - 1,
-                                   objective=self.objective, draft_token_ms=self.step_cost.draft_overhead_ms)
+                                   objective=self.objective, draft_token_ms=self.step_cost.draft_overhead_ms,
+                                   speculate_ms=self.decide_ms_per_request)
         if pre.ks[0] == 0:
             self._retired.add(rid)
             return False
@@ -201,6 +208,9 @@ class AdaptiveK(ConfiguredK):
         self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
         if proposed:
             self.draft_decide_ms = ms if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * ms
+            per = ms / proposed
+            self.decide_ms_per_request = (per if not self.decide_ms_per_request
+                                          else 0.9 * self.decide_ms_per_request + 0.1 * per)
         self._decide_ms_step += ms
         self.rest_steps = 0
         if not any(p.token_ids for p in props):
@@ -221,9 +231,9 @@ class AdaptiveK(ConfiguredK):
         counts[k] += 1
 
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
-                  other_seqs: int) -> tuple[list[Proposal], bool]:
-        """The decision for the adaptive asks: their proposals cut to the chosen k, and whether any free
-        proposer was called (the decision's time then counts as the price of drafting)."""
+                  other_seqs: int) -> tuple[list[Proposal], int]:
+        """The decision for the adaptive asks: their proposals cut to the chosen k, and how many requests
+        a free proposer was called for (if any, the decision's time counts as the price of drafting)."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         for i, (r, _cap) in enumerate(asks):
@@ -285,7 +295,7 @@ class AdaptiveK(ConfiguredK):
                 drafts = list(p.token_ids[: ks[i]])
                 out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
-        return out, bool(full.keys() - skip)
+        return out, len(full.keys() - skip)
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that
@@ -306,10 +316,15 @@ class AdaptiveK(ConfiguredK):
         idx = [i for i in idx if proposer_key(asks[i][0].spec_config) in costly_keys]
         if not idx:
             return set()
+        for i in idx:  # a retired request's own evidence ages at every re-check (towards the prior)
+            if asks[i][0].request_id in self._retired:
+                self.tracker.age(asks[i][0].request_id)
         options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, asks[i][1])) for i in idx]
+        # proposing for all of them costs each one's share of a drafting decision (measured), as it would
         pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
                                    num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective,
-                                   draft_token_ms=self.step_cost.draft_overhead_ms)
+                                   draft_token_ms=self.step_cost.draft_overhead_ms,
+                                   speculate_ms=self.decide_ms_per_request * len(idx))
         out = set()
         for i, k in zip(idx, pre.ks):
             rid = asks[i][0].request_id

@@ -329,6 +329,19 @@ class AcceptanceTracker:
                 keep.append(p)
         st.pending = keep
 
+    def age(self, request_id: str, factor: float = REQUEST_DECAY) -> None:
+        """Weigh the request's own evidence (its per-position counts and its request-level shift) by
+        `factor` in (0, 1], as one more draft would, without an observation: its estimates move towards
+        the prior. For a request nobody drafts for (the adaptive schedule's retired requests), whose
+        evidence would otherwise stay as it was when drafting for it stopped. Unknown ids are ignored."""
+        st = self._requests.get(request_id)
+        if st is None:
+            return
+        c, sh = st.counts, st.shift
+        c.tested = [x * factor for x in c.tested]
+        c.accepted = [x * factor for x in c.accepted]
+        sh.tested, sh.accepted, sh.predicted = sh.tested * factor, sh.accepted * factor, sh.predicted * factor
+
     def finish_request(self, request_id: str) -> None:
         """Stop tracking (positions already recorded stay recorded; the rest of a pending draft is unknown)."""
         self._requests.pop(request_id, None)

@@ -186,3 +186,30 @@ def test_request_shift_formula():
     d.observe(0, 1.0, True)
     d.observe(0, 0.0, False)
     assert (d.tested, d.accepted, d.predicted) == (1.5, 0.5, 0.5)
+
+
+def test_ageing_a_request_moves_its_estimates_to_the_prior():
+    """A request rejected 3 times against a prior of ~0.95 (estimates < 0.5): `age` weighs its own
+    evidence down (counts and request-level shift by the factor), so repeated ageing without new
+    outcomes brings its estimates back to the prior; one ageing by 1.0 changes nothing, unknown ids are
+    ignored."""
+    t = AcceptanceTracker()
+    learn_config(t, "summary", first_ok_every=1, n=30)
+    t.add_request("tool", "cfg", "prop")
+    ids = []
+    for _ in range(3):
+        t.add_draft("tool", len(ids), [100, 101, 102, 103])
+        ids += [1]
+        t.on_commit("tool", ids)
+    low = t.estimates("tool", 4)
+    prior = t.monotone_prior("cfg", "prop", 4)  # the rejections went into the profile's prior too
+    assert low[0] < 0.5 < prior[0]
+    t.age("tool", 1.0)
+    assert t.estimates("tool", 4) == low
+    t.age("tool", 0.5)
+    half = t.estimates("tool", 4)
+    assert low[0] < half[0] < prior[0]
+    for _ in range(60):
+        t.age("tool")
+    assert t.estimates("tool", 4) == pytest.approx(prior, abs=0.02)
+    t.age("nobody")

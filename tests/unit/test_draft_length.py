@@ -143,7 +143,7 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
     """A GPU-like step (1 ms) where drafting costs 0.5 ms per request and nothing is ever accepted: once
     the choice is k = 0 for everyone, the next steps are plain decodes without proposing or choosing
     (their number keeps the decision's cost near REST_SHARE of the time, at most MAX_REST_STEPS); a
-    request that joins is decided for when the rest ends. The decisions' time is handed to the engine
+    request that joins is decided for when the rest ends (and retired: drafting never pays here). The decisions' time is handed to the engine
     once. On a 1 s step the same decision never rests."""
     from specserve.engine.draft_length import MAX_REST_STEPS
 
@@ -166,7 +166,9 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
         ad.draft([(r, 8), (joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
     assert len(prop.calls) == n
     ad.draft([(r, 8), (joined, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
-    assert len(prop.calls) == n + 1 and ("b", 8) in prop.calls[-1]
+    # decided for when the rest ends: with its share of a drafting decision's time (~0.5 ms) charged, a
+    # draft that the prior says is rejected never pays, so the newcomer is retired without a proposer call
+    assert "b" in ad._checked and ad.num_retired == 1 and all(rid != "b" for c in prop.calls for rid, _ in c)
     # a CPU-like step (1 s at 16 concurrent on 2 cores): the same decision costs < 1% of it, so every step decides
     slow = StepCostModel(list(range(1, 17)), [1000.0 + t for t in range(16)])
     cpu_ad = AdaptiveK(slow, lambda c: prop)
@@ -203,14 +205,14 @@ def test_a_decision_dearer_than_its_gain_stops_drafting(monkeypatch):
 
 def retired_batch(monkeypatch):
     """EXPLORE_EVERY + 1 requests of one adaptive suffix config on a GPU-like step (1 ms) with a proposer
-    costing 0.5 ms per request, every step deciding; after 5 steps of rejected drafts all but the two
+    costing 0.1 ms per request, every step deciding; after 5 steps of rejected drafts all but the two
     explorers (the first and the last) are retired. Returns (config, proposer, policy, requests)."""
     from specserve.engine.draft_length import EXPLORE_EVERY
 
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
     gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([9] * 8, delay_ms=0.5)
+    prop = Scripted([9] * 8, delay_ms=0.1)
     ad = AdaptiveK(gpu, lambda c: prop)
     rs = [req(f"r{i}", cfg) for i in range(EXPLORE_EVERY + 1)]
     for r in rs:
@@ -224,11 +226,12 @@ def retired_batch(monkeypatch):
 
 
 def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
-    """Where drafting is costly (a 1 ms step, 0.5 ms per proposer call and request), a request whose
+    """Where drafting is costly (a 1 ms step, 0.1 ms per proposer call and request), a request whose
     optimistic choice is k = 0 is retired: no proposer call in decisions and no `prepare` between steps,
     not even for a request that joins then. Explorers (the first request of a proposer and every
     EXPLORE_EVERY-th after it) are never retired and keep probing every PROBE_EVERY steps; when their
-    outcomes lift the profile's prior, the retired requests are drafted for again. A step cost where
+    outcomes lift the profile's prior (and the retired requests' own rejections age away at every
+    re-check), the retired requests are drafted for again. A step cost where
     drafting is cheap retires nobody."""
     from specserve.engine.draft_length import EXPLORE_EVERY
 
@@ -247,7 +250,7 @@ def test_retired_requests_get_no_proposer_work_until_drafting_pays(monkeypatch):
     ad.add_request(joined)  # the (EXPLORE_EVERY + 2)-th request: not an explorer, checked before its prompt
     assert not ad.wants_prepare(joined, len(rs) + 1) and ad.num_retired == len(rs) - 1
     # the explorers' drafts now pass: the prior rises and the retired requests draft again
-    for _ in range(6 * PROBE_EVERY):
+    for _ in range(60 * PROBE_EVERY):  # the retired requests' own rejections age away as the prior rises
         props = ad.draft(asks, via(prop), num_other_tokens=0, num_other_seqs=0)
         for r, p in zip(rs, props):
             commit(ad, r, [9] * (len(p.token_ids) + 1) if r.request_id in explorers else [4])
@@ -303,10 +306,45 @@ def test_a_finished_explorer_hands_probing_to_a_running_request(monkeypatch):
     left = rs[1:EXPLORE_EVERY]
     assert {"r1", "r2"} <= ad._explorers and ad.num_retired == len(left) - 2
     drafted = 0
-    for _ in range(12 * PROBE_EVERY):  # now every draft would pass
+    for _ in range(60 * PROBE_EVERY):  # now every draft would pass
         n = len(prop.calls)
         props = ad.draft([(r, 8) for r in left], via(prop), num_other_tokens=0, num_other_seqs=0)
         drafted += len(prop.calls) > n
         for r, p in zip(left, props):
             commit(ad, r, [9] * (len(p.token_ids) + 1))
     assert drafted and ad.num_retired == 0 and len(prop.calls[-1]) == len(left)
+
+
+def test_the_retiring_check_charges_each_request_its_share_of_a_drafting_decision():
+    """Where proposing is costly (0.5 ms per request against a 1 ms step), a new request with no history
+    (acceptance 0.5 at every position) would draft when only the verify's cost is counted, so its prompt
+    is ingested; once a drafting decision is known to cost 3 ms per request it was proposed for, the
+    same request is retired before its prompt is ingested (as the decision itself would not draft)."""
+    from specserve.spec_decode import proposer_key
+
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([9] * 8)
+    for share_ms, kept in ((0.0, True), (3.0, False)):
+        ad = AdaptiveK(gpu, lambda c: prop)
+        ad.propose_ms[proposer_key(cfg)] = 0.5
+        ad.decide_ms_per_request = share_ms
+        explorer, r = req("e", cfg), req("r", cfg)
+        ad.add_request(explorer)  # the config's first request explores: never retired
+        ad.add_request(r)
+        assert ad.wants_prepare(explorer, 2) and ad.wants_prepare(r, 2) == kept
+        assert ad.num_retired == (0 if kept else 1)
+
+
+def test_a_drafting_decision_measures_its_time_per_request_proposed_for(monkeypatch):
+    """`decide_ms_per_request` is the decision's time over the requests it proposed for: four requests
+    with a proposer taking 2 ms each give at least 2 ms, and less than the whole decision's 8 ms."""
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
+    cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([7] * 8, delay_ms=2.0)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    rs = [req(f"m{i}", cfg) for i in range(4)]
+    for r in rs:
+        ad.add_request(r)
+    ad.draft([(r, 8) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert 2.0 <= ad.decide_ms_per_request < 8.0 <= ad.draft_decide_ms, ad.decide_ms_per_request
