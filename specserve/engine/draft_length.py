@@ -34,7 +34,9 @@ steps) it changes nothing.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Retiring: where drafting is costly (the 1% rule of step 1), a request whose optimistic choice is k = 0
-(its estimates at the cap's full length, with each request it would be proposed for charged its share
+(its estimates at the draft length its proposer has offered it lately, an EMA of its proposal lengths,
+the cap before it has any, since a suffix tree without a match offers nothing whatever the prior says;
+with each request it would be proposed for charged its share
 of a drafting decision's measured time, `decide_ms_per_request`, as the decision itself charges the
 whole; without that share the checks kept 8614 of 8629 request-steps' `prepare` on the H200 at 16
 concurrent while 557 of 625 decisions drafted nothing, `docs/benchmarks/gpu_adaptive_diag_real05_s9.json`) does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
@@ -49,7 +51,8 @@ one, so a config with running requests keeps probing. A retired request drafts n
 evidence would stay as it was when it was retired; instead it ages at every re-check (weighed by
 REQUEST_DECAY, as one more draft would weigh it, `AcceptanceTracker.age`), and its estimates drift
 to the profile's prior, which the explorers keep current: text that turns repetitive late in a retired
-request is seen only through that prior. Its output does not reach the suffix proposer's global tree either (that proposer caches the
+request is seen only through that prior. A request retired because its proposer offered nothing is tried
+again (its offered length forgotten) after RETRY_EVERY re-checks. Its output does not reach the suffix proposer's global tree either (that proposer caches the
 outputs of requests it drafted for). Every decision re-checks the retired requests (no proposer work: their
 estimates only); one whose optimistic choice is k > 0 again (a smaller batch, a better prior) is
 un-retired, skips drafting in that step, and the `prepare` that follows (overlapped with the GPU)
@@ -62,6 +65,7 @@ drafts, and is lossless for any k), schedule, or run the target.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict, deque
@@ -84,6 +88,8 @@ REST_SHARE = 0.03  # deciding "no drafts" may cost at most ~3% of the time of th
 MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
 EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per config is never retired (it probes)
 COSTLY_SHARE = 0.01  # drafting is costly when one request's proposer call takes >= 1% of the step
+OFFERED_WEIGHT = 0.3  # EMA weight of a request's newest proposal length (the draft its proposer offers)
+RETRY_EVERY = 16  # a retired request whose proposer offered nothing is tried again after this many re-checks
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
 
@@ -126,6 +132,10 @@ class AdaptiveK(ConfiguredK):
         self._checked: set[str] = set()  # request ids checked for retiring at least once
         self._added: dict[Any, int] = defaultdict(int)  # config -> requests added (explorer choice)
         self._running: dict[Any, dict[str, None]] = defaultdict(dict)  # config -> running request ids, oldest first
+        # drafts offered (proposal lengths before the cut to k, after the cap): EMA per request and per config
+        self._offered: dict[str, float] = {}
+        self._offered_cfg: dict[Any, float] = {}
+        self._offer_checks: dict[str, int] = {}  # retired request id -> re-checks since it was offered nothing
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
         self.decide_ms_per_request = 0.0  # EMA of such a decision's time per request it proposed for, ms
@@ -158,7 +168,10 @@ class AdaptiveK(ConfiguredK):
         if self.propose_ms.get(key, 0.0) < COSTLY_SHARE * step:
             return True  # drafting is cheap (or not measured yet): nothing to save
         self._checked.add(rid)
-        k_cap = max(req.spec_config.k_for_batch_size(num_seqs), 1)
+        k_cap = self._optimistic_k(req, max(req.spec_config.k_for_batch_size(num_seqs), 1))
+        if k_cap == 0:  # its config's proposer has offered nothing lately
+            self._retired.add(rid)
+            return False
         pre = choose_draft_lengths([DraftOption(self.tracker.estimates(rid, k_cap))], self.step_cost.step_ms,
                                    num_other_tokens=num_tokens - 1, num_other_seqs=num_seqs - 1,
                                    objective=self.objective, draft_token_ms=self.step_cost.draft_overhead_ms,
@@ -220,6 +233,21 @@ class AdaptiveK(ConfiguredK):
             out[i] = p
         return out
 
+    def _note_offered(self, r: Request, n: int) -> None:
+        """Fold the length of the draft `r`'s proposer offered (0: none) into its and its config's EMA."""
+        rid, cfg = r.request_id, r.spec_config
+        old = self._offered.get(rid)
+        self._offered[rid] = n if old is None else (1 - OFFERED_WEIGHT) * old + OFFERED_WEIGHT * n
+        old = self._offered_cfg.get(cfg)
+        self._offered_cfg[cfg] = n if old is None else (1 - OFFERED_WEIGHT) * old + OFFERED_WEIGHT * n
+
+    def _optimistic_k(self, r: Request, cap: int) -> int:
+        """The draft length the retiring checks assume for `r`: the cap, or fewer where its proposer has
+        offered shorter drafts (EMA of its proposal lengths, else its config's, rounded: a request whose
+        proposer offered nothing lately gets 0)."""
+        offered = self._offered.get(r.request_id, self._offered_cfg.get(r.spec_config))
+        return cap if offered is None else min(cap, round(offered))
+
     def take_decide_ms(self) -> float:
         """ms spent deciding (proposing for adaptive requests included) since the last call; resets it."""
         ms, self._decide_ms_step = self._decide_ms_step, 0.0
@@ -256,6 +284,7 @@ class AdaptiveK(ConfiguredK):
                 r, cap = asks[i]
                 p = Proposal(list(p.token_ids[:cap]), p.draft_probs, p.match_len, p.confidence)
                 full[i] = p
+                self._note_offered(r, len(p.token_ids))
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), p.token_ids, p.match_len, p.confidence)
         chosen, options = [], []
         for i, p in full.items():
@@ -317,9 +346,16 @@ class AdaptiveK(ConfiguredK):
         if not idx:
             return set()
         for i in idx:  # a retired request's own evidence ages at every re-check (towards the prior)
-            if asks[i][0].request_id in self._retired:
-                self.tracker.age(asks[i][0].request_id)
-        options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, asks[i][1])) for i in idx]
+            r = asks[i][0]
+            if r.request_id in self._retired:
+                self.tracker.age(r.request_id)
+                if self._optimistic_k(r, 1) == 0:  # its proposer offered nothing: retry now and then
+                    n = self._offer_checks[r.request_id] = self._offer_checks.get(r.request_id, 0) + 1
+                    if n >= RETRY_EVERY:
+                        self._offered.pop(r.request_id, None)  # unknown again: the next check assumes the cap
+                        self._offer_checks.pop(r.request_id, None)
+        options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, self._optimistic_k(asks[i][0], asks[i][1])))
+                   for i in idx]
         # proposing for all of them costs each one's share of a drafting decision (measured), as it would
         pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
                                    num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective,
@@ -360,6 +396,8 @@ class AdaptiveK(ConfiguredK):
         rid = req.request_id
         self.tracker.finish_request(rid)
         self._skipped.pop(rid, None)
+        self._offered.pop(rid, None)
+        self._offer_checks.pop(rid, None)
         self._retired.discard(rid)
         self._checked.discard(rid)
         running = self._running.get(req.spec_config, {})

@@ -348,3 +348,34 @@ def test_a_drafting_decision_measures_its_time_per_request_proposed_for(monkeypa
         ad.add_request(r)
     ad.draft([(r, 8) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
     assert 2.0 <= ad.decide_ms_per_request < 8.0 <= ad.draft_decide_ms, ad.decide_ms_per_request
+
+
+def test_a_request_whose_proposer_offers_nothing_is_retired_despite_a_high_prior(monkeypatch):
+    """Where drafting is costly (0.1 ms per request against a 1 ms step): the explorer's drafts are all
+    accepted (the profile's prior goes high), while the other request's proposer offers no draft at all
+    (a suffix tree without a match). The retiring checks assume the draft length each request's
+    proposer has offered lately, so the second one is retired (no proposer work) instead of being
+    kept, and ingested, on the prior's promise of drafts it never gets; it is tried again after
+    RETRY_EVERY re-checks."""
+    monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
+
+    class Offers(Scripted):
+        def propose(self, inputs):
+            out = super().propose(inputs)
+            return [p if i.request_id == "e" else Proposal([]) for i, p in zip(inputs, out)]
+
+    prop = Offers([9] * 8, delay_ms=0.1)
+    ad = AdaptiveK(gpu, lambda c: prop)
+    e, r = req("e", cfg), req("r", cfg)
+    ad.add_request(e)
+    ad.add_request(r)
+    for _ in range(40):
+        props = ad.draft([(e, 8), (r, 8)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        commit(ad, e, [9] * (len(props[0].token_ids) + 1))
+        commit(ad, r, [4])
+    assert min(ad.tracker.monotone_prior(cfg, next(iter(ad.propose_ms)), 8)) > 0.6
+    assert all(("e", 8) in c for c in prop.calls)  # the explorer drafts every step
+    retried = sum(("r", 8) in c for c in prop.calls[4:])  # from the first costly decision on
+    assert 1 <= retried <= 3  # tried again every RETRY_EVERY re-checks, not every step
