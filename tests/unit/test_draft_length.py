@@ -2,6 +2,8 @@
 draft model's k chosen before it drafts, and skipping the proposer for hopeless requests when drafting
 itself costs time that matters (with a probe every PROBE_EVERY-th step)."""
 
+import pytest
+
 from specserve.config import SpeculativeConfig
 from specserve.engine.draft_length import PROBE_EVERY, AdaptiveK
 from specserve.engine.step_cost import StepCostModel
@@ -15,8 +17,8 @@ FLAT = StepCostModel(list(range(1, 17)), [100.0 + t for t in range(16)])  # draf
 class Scripted:
     """Proposes `tokens` (cut to k) for every request; counts calls; optionally slow."""
 
-    def __init__(self, tokens, costly=False, delay_ms=0.0):
-        self.tokens, self.calls, self.delay_ms = tokens, [], delay_ms
+    def __init__(self, tokens, costly=False, delay_ms=0.0, clock=None):
+        self.tokens, self.calls, self.delay_ms, self.clock = tokens, [], delay_ms, clock
         if costly:
             self.draft_step_cost = lambda: StepCostModel([1, 2], [50.0, 50.0])
 
@@ -24,12 +26,34 @@ class Scripted:
         import time
 
         self.calls.append([(i.request_id, i.num_speculative_tokens) for i in inputs])
-        if self.delay_ms:
+        if self.delay_ms and self.clock is not None:
+            self.clock.now += self.delay_ms / 1000 * len(inputs)
+        elif self.delay_ms:
             time.sleep(self.delay_ms / 1000 * len(inputs))
         return [Proposal(self.tokens[: i.num_speculative_tokens], match_len=3) for i in inputs]
 
     def finish_request(self, request_id, token_ids):
         pass
+
+
+class FakeClock:
+    """`time.perf_counter` for the policy under test: advances only when a Scripted proposer "works"."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def fake_time(monkeypatch):
+    """Make the adaptive policy's timings deterministic: proposing takes exactly its delay, nothing else
+    takes time. Returns the clock to give Scripted proposers."""
+    import types
+
+    clock = FakeClock()
+    monkeypatch.setattr("specserve.engine.draft_length.time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    return clock
 
 
 def via(prop):
@@ -212,7 +236,7 @@ def retired_batch(monkeypatch):
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
     gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([9] * 8, delay_ms=0.1)
+    prop = Scripted([9] * 8, delay_ms=0.1, clock=fake_time(monkeypatch))
     ad = AdaptiveK(gpu, lambda c: prop)
     rs = [req(f"r{i}", cfg) for i in range(EXPLORE_EVERY + 1)]
     for r in rs:
@@ -338,16 +362,17 @@ def test_the_retiring_check_charges_each_request_its_share_of_a_drafting_decisio
 
 def test_a_drafting_decision_measures_its_time_per_request_proposed_for(monkeypatch):
     """`decide_ms_per_request` is the decision's time over the requests it proposed for: four requests
-    with a proposer taking 2 ms each give at least 2 ms, and less than the whole decision's 8 ms."""
+    with a proposer taking 2 ms each (a fake clock: nothing else takes time) give 2 ms per request of
+    the whole decision's 8 ms."""
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
     cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([7] * 8, delay_ms=2.0)
+    prop = Scripted([7] * 8, delay_ms=2.0, clock=fake_time(monkeypatch))
     ad = AdaptiveK(FLAT, lambda c: prop)
     rs = [req(f"m{i}", cfg) for i in range(4)]
     for r in rs:
         ad.add_request(r)
     ad.draft([(r, 8) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
-    assert 2.0 <= ad.decide_ms_per_request < 8.0 <= ad.draft_decide_ms, ad.decide_ms_per_request
+    assert ad.decide_ms_per_request == pytest.approx(2.0) and ad.draft_decide_ms == pytest.approx(8.0)
 
 
 def test_a_request_whose_proposer_offers_nothing_is_retired_despite_a_high_prior(monkeypatch):
@@ -366,7 +391,7 @@ def test_a_request_whose_proposer_offers_nothing_is_retired_despite_a_high_prior
             out = super().propose(inputs)
             return [p if i.request_id == "e" else Proposal([]) for i, p in zip(inputs, out)]
 
-    prop = Offers([9] * 8, delay_ms=0.1)
+    prop = Offers([9] * 8, delay_ms=0.1, clock=fake_time(monkeypatch))
     ad = AdaptiveK(gpu, lambda c: prop)
     e, r = req("e", cfg), req("r", cfg)
     ad.add_request(e)
