@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from specserve.engine.kv_cache import KVCache
-from specserve.model.attention import AttentionMetadata
+from specserve.model.attention import AttentionMetadata, sdpa_rows_match_decodes
 from specserve.model.llama import CausalLM
 
 
@@ -131,6 +131,11 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
+        cfg = model.config
+        # a verify block attended row by row where this machine's SDPA would give its rows other bits
+        # than one-token decodes (specserve.model.attention, module docstring)
+        self.verify_by_row = not sdpa_rows_match_decodes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                         next(model.parameters()).dtype, device)
 
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Run the model once over the step and extend each slot's valid length.
@@ -145,7 +150,11 @@ class ModelRunner:
         for slot, start in zip(inp.slots, inp.start_positions):
             if lengths[slot] != start:
                 raise RuntimeError(f"slot {slot}: KV length {lengths[slot]} != step start {start}")
-        meta = AttentionMetadata.build(inp.slots, inp.start_positions, inp.query_lens, self.device)
+        by_row = None
+        if self.verify_by_row:  # verify blocks: every row sampled, after cached positions
+            by_row = [q > 1 and nr == q and p0 > 0
+                      for q, nr, p0 in zip(inp.query_lens, inp.num_rows, inp.start_positions)]
+        meta = AttentionMetadata.build(inp.slots, inp.start_positions, inp.query_lens, self.device, by_row)
         logits = self.model(inp.input_ids, meta, self.kv, inp.logits_indices)
         for slot, start, q in zip(inp.slots, inp.start_positions, inp.query_lens):
             self.kv.extend(slot, start + q)

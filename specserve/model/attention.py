@@ -8,6 +8,16 @@ Each sequence is attended in its own SDPA call over a view of its slot (no gathe
 of the cache): on the CPU this was 1.6-1.9x faster than padding a batch of decode/verify rows and
 gathering their slots (docs/cpu_performance.md), and a sequence's result does not depend on what else
 is in the batch. The masks are built once per step (`AttentionMetadata.build`) and shared by every layer.
+Verify blocks row by row where the kernel needs it: a verify block (the last token and k drafts, every
+row sampled) must give each row the bits a one-token decode at that position would, or a seeded
+request draws other tokens with speculation than without (and greedy can leave the baseline at a
+near-tie). torch's CPU SDPA does not promise that: on a Zen 5 host (AVX-512, torch 2.13) a row of a
+5-query masked call differed from the same row as a 1-query call over its prefix (~1e-5 in the logits;
+the math and flash backends alike), while the linear layers are row independent
+(`specserve.model.cpu_linear`). `sdpa_rows_match_decodes` checks this once per model shape on random
+data; where rows differ, the runner asks `AttentionMetadata.build` to attend each row of a verify block
+as its own one-query call over its own prefix: exactly a decode's call, and k + 1 calls instead of one
+per layer (docs/cpu_performance.md has the cost). Prefill chunks keep one call.
 What it does not do: own the cache memory (see `specserve.engine.kv_cache`) or decide positions.
 
 Stale entries past a request's length (left by rejected drafts) are never read: a query at position p
@@ -60,10 +70,13 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, slots: list[int], start_positions: list[int], query_lens: list[int], device: torch.device
+        cls, slots: list[int], start_positions: list[int], query_lens: list[int], device: torch.device,
+        by_row: list[bool] | None = None,
     ) -> "AttentionMetadata":
         """Metadata for B sequences: sequence b writes `query_lens[b]` tokens at positions
         `start_positions[b]` ... into cache slot `slots[b]`; its tokens follow sequence b - 1's.
+        Where `by_row[b]` is true, sequence b is attended one query row at a time (each row a
+        one-token call over its own prefix, as a decode at that position; see the module docstring).
 
         Raises:
             ValueError: a sequence with zero new tokens.
@@ -71,9 +84,13 @@ class AttentionMetadata:
         if any(q <= 0 for q in query_lens):
             raise ValueError("every request in a step needs at least one new token")
         tok_slot, tok_pos, seqs, t = [], [], [], 0
-        for slot, p0, q in zip(slots, start_positions, query_lens):
+        for b, (slot, p0, q) in enumerate(zip(slots, start_positions, query_lens)):
             tok_slot += [slot] * q
             tok_pos += range(p0, p0 + q)
+            if q > 1 and by_row is not None and by_row[b]:
+                seqs += [SeqAttention(t + i, t + i + 1, slot, p0 + i + 1, None, False) for i in range(q)]
+                t += q
+                continue
             mask = None
             if q > 1 and p0 > 0:  # bottom-right causal: new token i sees positions <= p0 + i
                 mask = (torch.arange(p0 + q, device=device)[None, :]
@@ -82,6 +99,30 @@ class AttentionMetadata:
             t += q
         flat = torch.tensor(tok_slot + tok_pos, dtype=torch.int64).to(device)
         return cls(slots=flat[:t], positions=flat[t:], seqs=seqs)
+
+
+def sdpa_rows_match_decodes(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            device: torch.device, max_query: int = 16, context: int = 61) -> bool:
+    """Whether SDPA gives each row of a Q-query block with the bottom-right causal mask (as
+    `cached_attention` calls it for a verify block) the same bits as a one-query call over that row's
+    prefix (a decode), for Q = 2..max_query, on random data of this head shape after `context` cached
+    positions. Deterministic (its own generator); a few ms on a CPU."""
+    gen = torch.Generator().manual_seed(0)
+    L = context + max_query
+    k = torch.randn(1, num_kv_heads, L, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(1, num_kv_heads, L, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(1, num_heads, max_query, head_dim, generator=gen).to(device, dtype)
+    scale = head_dim ** -0.5
+    with torch.inference_mode():
+        one = [F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : context + i + 1], v[:, :, : context + i + 1],
+                                              scale=scale, enable_gqa=True) for i in range(max_query)]
+        for n in range(2, max_query + 1):
+            meta = AttentionMetadata.build([0], [context], [n], device)
+            block = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, : context + n], v[:, :, : context + n],
+                                                   attn_mask=meta.seqs[0].mask, scale=scale, enable_gqa=True)
+            if not all(torch.equal(block[:, :, i : i + 1], one[i]) for i in range(n)):
+                return False
+    return True
 
 
 def cached_attention(

@@ -57,3 +57,49 @@ def test_a_sequence_without_new_tokens_is_refused():
 
     with pytest.raises(ValueError, match="at least one new token"):
         AttentionMetadata.build([0, 1], [3, 4], [2, 0], torch.device("cpu"))
+
+
+def test_a_verify_block_attended_by_row_gives_decode_bits():
+    """`by_row`: each row of a verify block (4 new tokens after 29 cached) is attended as its own
+    one-query call over its own prefix, so its output is bit-identical to four one-token decodes at
+    those positions, whatever this machine's SDPA does for a 4-query call; a sequence beside it keeps
+    one call."""
+    gen = torch.Generator().manual_seed(3)
+    H, Hkv, D, ctx, n = 4, 2, 16, 29, 4
+    kc = torch.zeros(2, Hkv, 64, D)
+    vc = torch.zeros(2, Hkv, 64, D)
+    kc[:, :, :ctx] = torch.randn(2, Hkv, ctx, D, generator=gen)
+    vc[:, :, :ctx] = torch.randn(2, Hkv, ctx, D, generator=gen)
+    q = torch.randn(n + 3, H, D, generator=gen)
+    k = torch.randn(n + 3, Hkv, D, generator=gen)
+    v = torch.randn(n + 3, Hkv, D, generator=gen)
+    meta = AttentionMetadata.build([0, 1], [ctx, ctx], [n, 3], torch.device("cpu"), by_row=[True, False])
+    assert len(meta.seqs) == n + 1 and all(s.mask is None and s.end - s.start == 1 for s in meta.seqs[:n])
+    block = cached_attention(q, k, v, kc.clone(), vc.clone(), meta, D ** -0.5)
+    k2, v2 = kc.clone(), vc.clone()
+    for i in range(n):  # the same rows as one-token decodes, one step at a time
+        one = AttentionMetadata.build([0], [ctx + i], [1], torch.device("cpu"))
+        out = cached_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], k2, v2, one, D ** -0.5)
+        assert torch.equal(out, block[i : i + 1]), i
+    plain = AttentionMetadata.build([1], [ctx], [3], torch.device("cpu"))
+    assert torch.equal(cached_attention(q[n:], k[n:], v[n:], kc.clone(), vc.clone(), plain, D ** -0.5), block[n:])
+
+
+def test_the_runner_gives_a_verify_block_the_logits_of_one_token_decodes(tiny_model_dir):
+    """The guarantee the row-by-row attention exists for, on the runner the engine uses (its own probe
+    decides whether it is needed on this CPU): the logits of a 5-token verify block after a 37-token
+    prompt are bit-identical to five one-token decodes at the same positions."""
+    from specserve import LLM
+    from specserve.engine.model_runner import SeqInput
+
+    llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=2, device="cpu")
+    t = llm.engine.target
+    s = t.kv.allocate()
+    prompt, block = [(7 * i + 3) % 300 for i in range(37)], [11, 52, 77, 199, 242]
+    with torch.inference_mode():
+        t.runner.forward([SeqInput(s, 0, prompt, 1)])
+        verify = t.runner.forward([SeqInput(s, len(prompt), block, len(block))]).clone()
+        t.kv.truncate(s, len(prompt))
+        decodes = torch.cat([t.runner.forward([SeqInput(s, len(prompt) + i, [tok], 1)]).clone()
+                             for i, tok in enumerate(block)])
+    assert torch.equal(verify, decodes)
