@@ -52,7 +52,7 @@ evidence would stay as it was when it was retired; instead it ages at every re-c
 REQUEST_DECAY, as one more draft would weigh it, `AcceptanceTracker.age`), and its estimates drift
 to the profile's prior, which the explorers keep current: text that turns repetitive late in a retired
 request is seen only through that prior. A request retired because its proposer offered nothing is tried
-again (its offered length forgotten) after RETRY_EVERY re-checks. Its output does not reach the suffix proposer's global tree either (that proposer caches the
+again after RETRY_EVERY re-checks (the checks assume the cap for it until its next proposal). Its output does not reach the suffix proposer's global tree either (that proposer caches the
 outputs of requests it drafted for). Every decision re-checks the retired requests (no proposer work: their
 estimates only); one whose optimistic choice is k > 0 again (a smaller batch, a better prior) is
 un-retired, skips drafting in that step, and the `prepare` that follows (overlapped with the GPU)
@@ -65,7 +65,6 @@ drafts, and is lossless for any k), schedule, or run the target.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import defaultdict, deque
@@ -136,6 +135,7 @@ class AdaptiveK(ConfiguredK):
         self._offered: dict[str, float] = {}
         self._offered_cfg: dict[Any, float] = {}
         self._offer_checks: dict[str, int] = {}  # retired request id -> re-checks since it was offered nothing
+        self._retry: set[str] = set()  # request ids to try again: the checks assume the cap until they propose
         self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
         self.decide_ms_per_request = 0.0  # EMA of such a decision's time per request it proposed for, ms
@@ -236,6 +236,7 @@ class AdaptiveK(ConfiguredK):
     def _note_offered(self, r: Request, n: int) -> None:
         """Fold the length of the draft `r`'s proposer offered (0: none) into its and its config's EMA."""
         rid, cfg = r.request_id, r.spec_config
+        self._retry.discard(rid)
         old = self._offered.get(rid)
         self._offered[rid] = n if old is None else (1 - OFFERED_WEIGHT) * old + OFFERED_WEIGHT * n
         old = self._offered_cfg.get(cfg)
@@ -244,7 +245,9 @@ class AdaptiveK(ConfiguredK):
     def _optimistic_k(self, r: Request, cap: int) -> int:
         """The draft length the retiring checks assume for `r`: the cap, or fewer where its proposer has
         offered shorter drafts (EMA of its proposal lengths, else its config's, rounded: a request whose
-        proposer offered nothing lately gets 0)."""
+        proposer offered nothing lately gets 0); the cap for a request being tried again (RETRY_EVERY)."""
+        if r.request_id in self._retry:
+            return cap
         offered = self._offered.get(r.request_id, self._offered_cfg.get(r.spec_config))
         return cap if offered is None else min(cap, round(offered))
 
@@ -351,8 +354,9 @@ class AdaptiveK(ConfiguredK):
                 self.tracker.age(r.request_id)
                 if self._optimistic_k(r, 1) == 0:  # its proposer offered nothing: retry now and then
                     n = self._offer_checks[r.request_id] = self._offer_checks.get(r.request_id, 0) + 1
-                    if n >= RETRY_EVERY:
-                        self._offered.pop(r.request_id, None)  # unknown again: the next check assumes the cap
+                    if n >= RETRY_EVERY:  # checks assume the cap until its next proposal says otherwise
+                        self._offered.pop(r.request_id, None)
+                        self._retry.add(r.request_id)
                         self._offer_checks.pop(r.request_id, None)
         options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, self._optimistic_k(asks[i][0], asks[i][1])))
                    for i in idx]
@@ -369,6 +373,7 @@ class AdaptiveK(ConfiguredK):
                 self._skipped[rid] = 0
                 if rid in self._retired:  # no draft this step: `prepare` ingests what it missed (overlapped)
                     self._retired.discard(rid)
+                    self._offer_checks.pop(rid, None)
                     out.add(i)
             elif rid not in self._explorers:
                 self._retired.add(rid)
@@ -398,6 +403,7 @@ class AdaptiveK(ConfiguredK):
         self._skipped.pop(rid, None)
         self._offered.pop(rid, None)
         self._offer_checks.pop(rid, None)
+        self._retry.discard(rid)
         self._retired.discard(rid)
         self._checked.discard(rid)
         running = self._running.get(req.spec_config, {})
@@ -408,5 +414,6 @@ class AdaptiveK(ConfiguredK):
             if heir is not None:
                 self._explorers.add(heir)
                 self._retired.discard(heir)  # the next `prepare` ingests what it missed
+                self._offer_checks.pop(heir, None)
 
 

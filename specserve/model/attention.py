@@ -102,26 +102,29 @@ class AttentionMetadata:
 
 
 def sdpa_rows_match_decodes(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                            device: torch.device, max_query: int = 16, context: int = 61) -> bool:
+                            device: torch.device, max_query: int = 16, contexts: tuple[int, ...] = (61, 1100)) -> bool:
     """Whether SDPA gives each row of a Q-query block with the bottom-right causal mask (as
     `cached_attention` calls it for a verify block) the same bits as a one-query call over that row's
-    prefix (a decode), for Q = 2..max_query, on random data of this head shape after `context` cached
-    positions. Deterministic (its own generator); a few ms on a CPU."""
+    prefix (a decode), for Q = 2..max_query, on random data of this head shape after each of `contexts`
+    cached positions (CPU kernels block the keys by length). Deterministic (its own generator); a few
+    ms on a CPU."""
     gen = torch.Generator().manual_seed(0)
-    L = context + max_query
-    k = torch.randn(1, num_kv_heads, L, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(1, num_kv_heads, L, head_dim, generator=gen).to(device, dtype)
-    q = torch.randn(1, num_heads, max_query, head_dim, generator=gen).to(device, dtype)
     scale = head_dim ** -0.5
-    with torch.inference_mode():
-        one = [F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : context + i + 1], v[:, :, : context + i + 1],
-                                              scale=scale, enable_gqa=True) for i in range(max_query)]
-        for n in range(2, max_query + 1):
-            meta = AttentionMetadata.build([0], [context], [n], device)
-            block = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, : context + n], v[:, :, : context + n],
-                                                   attn_mask=meta.seqs[0].mask, scale=scale, enable_gqa=True)
-            if not all(torch.equal(block[:, :, i : i + 1], one[i]) for i in range(n)):
-                return False
+    for context in contexts:
+        L = context + max_query
+        k = torch.randn(1, num_kv_heads, L, head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(1, num_kv_heads, L, head_dim, generator=gen).to(device, dtype)
+        q = torch.randn(1, num_heads, max_query, head_dim, generator=gen).to(device, dtype)
+        with torch.inference_mode():
+            one = [F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : context + i + 1],
+                                                  v[:, :, : context + i + 1], scale=scale, enable_gqa=True)
+                   for i in range(max_query)]
+            for n in range(2, max_query + 1):
+                meta = AttentionMetadata.build([0], [context], [n], device)
+                block = F.scaled_dot_product_attention(q[:, :, :n], k[:, :, : context + n], v[:, :, : context + n],
+                                                       attn_mask=meta.seqs[0].mask, scale=scale, enable_gqa=True)
+                if not all(torch.equal(block[:, :, i : i + 1], one[i]) for i in range(n)):
+                    return False
     return True
 
 
