@@ -34,12 +34,7 @@ steps) it changes nothing.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Retiring: where drafting is costly (the 1% rule of step 1), a request whose optimistic choice is k = 0
-(its estimates at the draft length its proposer has offered it lately, an EMA of its proposal lengths,
-the cap before it has any, since a suffix tree without a match offers nothing whatever the prior says;
-with each request it would be proposed for charged its share
-of a drafting decision's measured time, `decide_ms_per_request`, as the decision itself charges the
-whole; without that share the checks kept 8614 of 8629 request-steps' `prepare` on the H200 at 16
-concurrent while 557 of 625 decisions drafted nothing, `docs/benchmarks/gpu_adaptive_diag_real05_s9.json`) does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
+does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
 between steps (`wants_prepare` is False: a suffix tree does not ingest its prompt or its new tokens).
 Probing a request needs its proposer state up to date, and keeping that state is the cost (on the
 H200 at 16 concurrent requests the Python suffix trees' ingestion took ~0.5 ms of a 1.6 ms step while
@@ -59,6 +54,12 @@ un-retired, skips drafting in that step, and the `prepare` that follows (overlap
 ingests what it missed. A new request is checked the same way before its
 first `prepare`, so a prompt that would never be drafted for is never ingested. On a CPU drafting is
 never costly by that rule and nothing is retired.
+The optimistic choice assumes the draft length the request's proposer has offered it lately (an EMA of
+its proposal lengths; the cap before it has any), since a suffix tree without a match offers nothing
+whatever the prior says, and charges each request it would be proposed for its share of a drafting
+decision's measured time (`decide_ms_per_request`), as the decision itself charges the whole. Without
+that share the checks kept 8614 of 8629 request-steps' `prepare` on the H200 at 16 concurrent while 557
+of 625 decisions drafted nothing (`docs/benchmarks/gpu_adaptive_diag_real05_s9.json`).
 What it does not do: change which tokens are committed (verification does not depend on k for one-hot
 drafts, and is lossless for any k), schedule, or run the target.
 """
@@ -233,6 +234,11 @@ class AdaptiveK(ConfiguredK):
             out[i] = p
         return out
 
+    def _unretire(self, rid: str) -> None:
+        """`rid`'s proposer works for it again (its retry count, kept only while retired, starts over)."""
+        self._retired.discard(rid)
+        self._offer_checks.pop(rid, None)
+
     def _note_offered(self, r: Request, n: int) -> None:
         """Fold the length of the draft `r`'s proposer offered (0: none) into its and its config's EMA."""
         rid, cfg = r.request_id, r.spec_config
@@ -372,8 +378,7 @@ class AdaptiveK(ConfiguredK):
             if k > 0:
                 self._skipped[rid] = 0
                 if rid in self._retired:  # no draft this step: `prepare` ingests what it missed (overlapped)
-                    self._retired.discard(rid)
-                    self._offer_checks.pop(rid, None)
+                    self._unretire(rid)
                     out.add(i)
             elif rid not in self._explorers:
                 self._retired.add(rid)
@@ -402,9 +407,8 @@ class AdaptiveK(ConfiguredK):
         self.tracker.finish_request(rid)
         self._skipped.pop(rid, None)
         self._offered.pop(rid, None)
-        self._offer_checks.pop(rid, None)
         self._retry.discard(rid)
-        self._retired.discard(rid)
+        self._unretire(rid)
         self._checked.discard(rid)
         running = self._running.get(req.spec_config, {})
         running.pop(rid, None)
@@ -413,7 +417,6 @@ class AdaptiveK(ConfiguredK):
             heir = next((r for r in running if r not in self._explorers), None)
             if heir is not None:
                 self._explorers.add(heir)
-                self._retired.discard(heir)  # the next `prepare` ingests what it missed
-                self._offer_checks.pop(heir, None)
+                self._unretire(heir)  # the next `prepare` ingests what it missed
 
 
