@@ -80,9 +80,11 @@ def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of the CPU forward, sampler and verifier (default: OMP_NUM_THREADS if set, "
                         "else every CPU this process may run on)")
-    p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"],
-                   help="CPU linear layers: auto = prepacked oneDNN weights for float32 (faster here, a row's "
-                        "result the same alone and in a batch), else F.linear; onednn = oneDNN or an error; "
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "panel", "onednn", "torch"],
+                   help="CPU linear layers: auto = for float32 the panel kernel (built once per machine with gcc; "
+                        "fastest for decode and verify steps, a row's result the same alone and in a batch), "
+                        "else oneDNN, else F.linear; panel = the panel kernel or an error; "
+                        "onednn = prepacked oneDNN weights (also row independent) or an error; "
                         "torch = F.linear (MKL; faster for one row on some Intel CPUs, but there a row's result "
                         "depends on the batch, so speculation is not bit-exact)")
 

@@ -264,14 +264,14 @@ class EngineConfig:
             measurement (the adaptive schedule needs it; `specserve.engine.step_cost`).
         cpu_threads: threads of the CPU forward, sampler and verifier; None = OMP_NUM_THREADS if set,
             else every CPU the process may run on (`specserve.engine.cpu_threads`). CPU device only.
-        cpu_linear: how linear layers run on the CPU: "auto" (oneDNN with prepacked weights for float32
-            where this torch build has it, else F.linear / MKL), "onednn" (oneDNN, or an error where this
-            torch build lacks it), "torch" (F.linear / MKL). In float32 oneDNN gives a row the same
-            result alone and in any batch (`specserve.model.cpu_linear`), so seeded sampling is batch
-            invariant; its bfloat16 kernels are not, so "auto" keeps F.linear there. F.linear (MKL) is
-            not row independent on every CPU (on an Intel host a lone row and a row in a batch differ in
-            the last bits, docs/cpu_performance.md), so with "torch" fp32 greedy speculation can leave
-            the baseline at near-ties there.
+        cpu_linear: how linear layers run on the CPU: "auto" (float32: the panel kernel,
+            `specserve.model.panel_linear`, built once per machine; oneDNN with prepacked weights where it
+            cannot be built; else F.linear / MKL), "panel" (the panel kernel, or an error where it cannot be
+            built), "onednn" (oneDNN, or an error where this torch build lacks it), "torch" (F.linear /
+            MKL). In float32 the panel kernel and oneDNN give a row the same result alone and in any batch
+            (`specserve.model.cpu_linear`), so greedy speculation is exact and seeded sampling batch
+            invariant; oneDNN's bfloat16 kernels are not, so "auto" keeps F.linear there. F.linear (MKL) is
+            not row independent on every CPU (on an Intel host a lone row and a row in a batch differ).
         enable_prefix_caching: automatic prefix caching (vLLM's flag, on by default): a finished
             request's KV slot keeps its committed tokens' keys/values, and a new request whose prompt
             shares a prefix with them prefills only the rest (docs/prefix_caching.md). Exact: the
@@ -321,5 +321,5 @@ class EngineConfig:
                 or self.prefix_cache_recompute_tokens < 1):
             raise ConfigError("prefix_cache_recompute_tokens must be a positive integer, got "
                               f"{self.prefix_cache_recompute_tokens!r}")
-        if self.cpu_linear not in ("auto", "onednn", "torch"):
-            raise ConfigError(f"cpu_linear must be auto, onednn or torch, got {self.cpu_linear!r}")
+        if self.cpu_linear not in ("auto", "panel", "onednn", "torch"):
+            raise ConfigError(f"cpu_linear must be auto, panel, onednn or torch, got {self.cpu_linear!r}")

@@ -50,7 +50,7 @@ class LoadedModel:
         num_slots: KV cache slots (most sequences at once).
         enforce_eager, batch_invariant: CUDA runner options (`EngineConfig`); on the CPU the eager
             `ModelRunner` runs and batch_invariant is refused.
-        cpu_linear: how linear layers run on the CPU ("auto", "onednn", "torch"; see `specserve.model.cpu_linear`).
+        cpu_linear: how linear layers run on the CPU ("auto", "panel", "onednn", "torch"; see `specserve.model.cpu_linear`).
 
     Raises:
         ModelError, ModelConfigError, WeightLoadError: the model cannot be found or loaded.

@@ -1,4 +1,9 @@
-"""Linear layers on the CPU through oneDNN, with weights prepacked once at load time.
+"""Linear layers on the CPU: the choice of kernel, and oneDNN with weights prepacked once at load time.
+
+The default for float32 ("auto") is the panel kernel (`specserve.model.panel_linear`): faster than
+oneDNN for the 1-16 rows of decode and verify steps and bit-identical for a row alone and in any batch by
+construction. oneDNN (`PackedLinear`, below) is the fallback where that kernel cannot be built (no C++
+compiler) and an explicit choice ("onednn"); F.linear / MKL is "torch".
 
 Why: torch's `F.linear` on the CPU calls MKL's sgemm. On the AMD EPYC machines this project runs on, MKL
 takes a slow code path, and for one row (a batch-1 decode step) it runs on one thread. oneDNN, which
@@ -7,9 +12,10 @@ use), with the weight reordered once into its blocked layout, uses every thread 
 every projection of qwen2.5-coder-0.5b for 1-20 rows (docs/cpu_performance.md has the figures).
 
 What it does: `pack_linear_weights(model)` replaces every `nn.Linear` of a loaded model (and the
-output projection, `CausalLM.lm_head`, also when it is tied to the embeddings) by a `PackedLinear` that
-holds the oneDNN-packed weight, after checking on the first layer that the packed kernel agrees with
-`F.linear`. Where oneDNN is missing or disagrees, the model keeps `F.linear` (logged once).
+output projection, `CausalLM.lm_head`, also when it is tied to the embeddings) by a `PanelLinear` or,
+for oneDNN, a `PackedLinear` that holds the oneDNN-packed weight, after checking on the first layer that
+the packed kernel agrees with `F.linear`. Where oneDNN is missing or disagrees, the model keeps
+`F.linear` (logged once).
 
 Row independence (batch invariance): a row's result must not depend on the rows beside it, or a seeded
 sampled request draws different tokens alone and in a batch. oneDNN computes a call of 2 or more rows
@@ -33,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-CPU_LINEAR_CHOICES = ("auto", "onednn", "torch")
+CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "torch")
 
 
 class PackedLinear(nn.Module):
@@ -107,23 +113,41 @@ def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
     return bool(torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max().clamp_min(1.0))))
 
 
+def _replace_linears(model: nn.Module, make) -> None:
+    """Every `nn.Linear` of `model` -> make(linear), and a tied output projection -> a packed copy."""
+    linears = [(parent, name) for parent in model.modules() for name, mod in parent.named_children()
+               if isinstance(mod, nn.Linear)]
+    for parent, name in linears:  # one at a time, so that each old weight is freed as its copy is made
+        setattr(parent, name, make(getattr(parent, name)))
+    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:
+        # the lookup needs the plain embedding table, the output projection a packed copy of it
+        model.lm_head = make(_TiedHead(model.model.embed_tokens.weight))
+
+
+class _TiedHead:
+    """The embedding table seen as a bias-free linear layer (what `from_linear` reads)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.bias = weight, None
+
+
 def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
-    """Replace the CPU `nn.Linear` layers of `model` (and its output projection) by `PackedLinear`.
+    """Replace the CPU `nn.Linear` layers of `model` (and its output projection) by packed ones.
 
     Args:
         model: a loaded `CausalLM` on the CPU (projections already fused).
-        choice: "auto" (oneDNN for float32 weights where this torch build has it, else F.linear, logged),
-            "onednn" (oneDNN or an error), "torch" (leave F.linear / MKL). "auto" keeps F.linear for
-            bfloat16: oneDNN's bf16 kernels round a row differently depending on the rows beside it
-            (a `PackedLinear` pads only fp32's one-row case), so seeded sampling would not be batch
-            invariant there.
+        choice: "auto" (float32: the panel kernel, else oneDNN where the kernel cannot be built, logged,
+            else F.linear; other dtypes: F.linear), "panel" (the panel kernel or an error), "onednn"
+            (oneDNN or an error), "torch" (leave F.linear / MKL). "auto" keeps F.linear for bfloat16:
+            oneDNN's bf16 kernels round a row differently depending on the rows beside it, so seeded
+            sampling would not be batch invariant there, and the panel kernel is float32 only.
 
     Returns:
-        the backend in use: "onednn" or "torch".
+        the backend in use: "panel", "onednn" or "torch".
 
     Raises:
         ValueError: unknown choice.
-        RuntimeError: "onednn" was asked for but cannot be used here.
+        RuntimeError: "panel" or "onednn" was asked for but cannot be used here.
     """
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu linear backend must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {choice!r}")
@@ -132,6 +156,20 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
     dtype = next(model.parameters()).dtype
     if choice == "auto" and dtype != torch.float32:
         return "torch"
+    if choice in ("auto", "panel"):
+        from specserve.model.panel_linear import PanelLinear, load_kernel
+
+        try:
+            if dtype != torch.float32:
+                raise RuntimeError(f"the panel linear kernel computes float32 only, the model is {dtype}")
+            load_kernel()
+        except RuntimeError as e:
+            if choice == "panel":
+                raise
+            logger.warning("CPU linear layers use oneDNN instead of the panel kernel: %s", e)
+        else:
+            _replace_linears(model, PanelLinear.from_linear)
+            return "panel"
     linears = [(parent, name) for parent in model.modules() for name, mod in parent.named_children()
                if isinstance(mod, nn.Linear)]
     reason = None
@@ -147,9 +185,5 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
             logger.warning("CPU linear layers stay on F.linear (MKL): %s", reason)
             return "torch"
         raise RuntimeError(reason)
-    for parent, name in linears:  # one at a time, so that each old weight is freed as its copy is made
-        setattr(parent, name, PackedLinear.from_linear(getattr(parent, name)))
-    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:
-        # the lookup needs the plain embedding table, the output projection a packed copy of it
-        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+    _replace_linears(model, PackedLinear.from_linear)
     return "onednn"

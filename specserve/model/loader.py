@@ -48,7 +48,8 @@ def load_model(
         cfg: the folder's ModelConfig (`ModelConfig.from_folder`).
         max_positions: size of the RoPE table (the engine's max_model_len).
         cpu_linear: on the CPU, how linear layers run (`specserve.model.cpu_linear.pack_linear_weights`):
-            "auto" (oneDNN with prepacked weights where available), "onednn" or "torch" (F.linear).
+            "auto" (float32: the panel kernel, else oneDNN with prepacked weights), "panel", "onednn" or
+            "torch" (F.linear).
 
     Returns:
         the model in eval mode, with fused projections; on the CPU with its linear weights packed

@@ -1,4 +1,5 @@
-"""oneDNN-packed CPU linear layers: same results as F.linear, clear choices and errors."""
+"""oneDNN-packed CPU linear layers: same results as F.linear, clear choices and errors (the panel kernel:
+test_panel_linear.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_pack_replaces_every_linear_and_respects_the_choice():
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="auto, onednn, torch"):
+    with pytest.raises(ValueError, match="auto, panel, onednn, torch"):
         pack_linear_weights(model, "mkl")
 
 
@@ -48,10 +49,12 @@ def test_unpackable_dtype_keeps_f_linear_or_raises_when_onednn_is_required():
         pack_linear_weights(model, "onednn")
 
 
-@needs_onednn
 def test_auto_packs_float32_and_keeps_f_linear_for_bfloat16():
+    from specserve.model.panel_linear import PanelLinear, panel_available
+
     model = nn.Sequential(nn.Linear(8, 16))
-    assert pack_linear_weights(model, "auto") == "onednn" and isinstance(model[0], PackedLinear)
+    expected = (PanelLinear, "panel") if panel_available() else (PackedLinear, "onednn")
+    assert pack_linear_weights(model, "auto") == expected[1] and isinstance(model[0], expected[0])
     bf16 = nn.Sequential(nn.Linear(8, 16)).to(torch.bfloat16)
     assert pack_linear_weights(bf16, "auto") == "torch" and isinstance(bf16[0], nn.Linear)
 

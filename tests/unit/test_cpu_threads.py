@@ -27,7 +27,7 @@ def test_resolution_order(monkeypatch):
             resolve_cpu_threads(bad)
     with pytest.raises(ConfigError, match="cpu_threads must be a positive integer"):
         EngineConfig(model="x", cpu_threads=0)
-    with pytest.raises(ConfigError, match="cpu_linear must be auto, onednn or torch"):
+    with pytest.raises(ConfigError, match="cpu_linear must be auto, panel, onednn or torch"):
         EngineConfig(model="x", cpu_linear="mkl")
 
 

@@ -11,15 +11,18 @@ from torch import nn
 
 from specserve.model.config import ModelConfig
 from specserve.model.cpu_linear import onednn_available
+from specserve.model.panel_linear import panel_available
 from specserve.model.loader import load_model
 from specserve.model.weight_memory import move_weights_to_huge_pages
 
 
 @pytest.mark.parametrize("which", ["tiny_model_dir", "tiny_llama_dir"])  # tied and untied lm_head
-@pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])
+@pytest.mark.parametrize("cpu_linear", ["torch", "onednn", "panel"])
 def test_loaded_weights_live_in_the_arena_with_checkpoint_values(request, which, cpu_linear):
     if cpu_linear == "onednn" and not onednn_available(torch.float32):
         pytest.skip("no oneDNN in this torch build")
+    if cpu_linear == "panel" and not panel_available():
+        pytest.skip("the panel kernel cannot be built here")
     folder = request.getfixturevalue(which)
     cfg = ModelConfig.from_folder(folder)
     model = load_model(folder, cfg, torch.float32, torch.device("cpu"), 64, cpu_linear=cpu_linear)
