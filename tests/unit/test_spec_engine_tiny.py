@@ -186,13 +186,17 @@ def test_adaptive_schedule_is_lossless(llm, base, tiny_model_dir, other_tiny_dir
 
 @pytest.fixture
 def random_k(monkeypatch):
-    """Replace the adaptive choice with a random k per request and step (0 included)."""
+    """Replace the adaptive choice with a random k per request and step (0 included), made in every
+    step whatever the measured step costs on this machine: no rest after a "no drafts" choice, and
+    drafting counts as cheap, so no request is retired (a test of retiring sets COSTLY_SHARE itself)."""
     import random
 
     from specserve.engine import draft_length
     from specserve.spec_decode.adaptive import Choice
 
     rng = random.Random(3)
+    monkeypatch.setattr(draft_length, "REST_SHARE", 1e9)
+    monkeypatch.setattr(draft_length, "COSTLY_SHARE", float("inf"))
 
     def choose(options, step_ms, **kw):
         return Choice([rng.randint(0, len(o.acceptance)) for o in options], 0.0, 0.0, 0.0)
