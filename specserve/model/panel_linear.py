@@ -8,9 +8,9 @@ in a batch (which would break greedy speculation's exactness and seeded sampling
 This kernel packs W [N, K] into panels of 16 output features ([ceil(N/16), K, 16]) and sums every
 output over k in one fixed order (`panel_linear.cpp` says why that makes rows independent of their
 batch). Measured on the shared 2-core Intel Xeon (AVX-512), qwen2.5-coder-0.5b's 97 projections in
-a row, 2 threads: 1 row 61 ms against oneDNN's 77 and MKL's 66; 4 rows 66 against 80; 16 rows 111
-against 112; a 300-row prompt chunk 997 against 906 (docs/cpu_performance.md, "Linear layers: the
-panel kernel").
+a row, 2 threads (docs/benchmarks/cpu_linear_kernels_intel.json): 1 row 62 ms against oneDNN's 74 and
+MKL's 66; 4 rows 67 against 73 (MKL 151); 16 rows 104 against 108; a 300-row prompt chunk 844 against
+849 (docs/cpu_performance.md, "Linear layers: the panel kernel").
 
 What it does: builds the C++ extension once per machine with torch.utils.cpp_extension (gcc and ninja;
 -O3 -march=native, so the build directory is named after this CPU's instruction-set flags and the source)
