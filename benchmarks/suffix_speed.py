@@ -13,7 +13,8 @@ does when the target's output is the file), and a finished request is handed to 
 global tree) and replaced by the next file. `prepare` runs before `propose` each step, as the engine
 calls it on CUDA. Reported: µs per request-step of prepare and propose (mean, p50, p90 over steps,
 per request), the mean acceptance length, and the drafts' checksum (same inputs, same drafts: use it to
-check that a faster proposer drafts exactly the same).
+check that a faster proposer drafts exactly the same). --trees python,native runs the Python and the C++
+suffix tree alternately and reports both (`same_drafts`: the checksums agree).
 
     python benchmarks/suffix_speed.py [--files 64] [--out docs/benchmarks/suffix_speed_cpu.json]
 """
@@ -31,6 +32,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's specserve
+
 
 def load_requests(tokenizer_path: Path, n: int, prompt_tokens: int, output_tokens: int) -> list[list[int]]:
     """Token ids of the first `n` stdlib sources (sorted by path) long enough for prompt + output."""
@@ -47,14 +50,15 @@ def load_requests(tokenizer_path: Path, n: int, prompt_tokens: int, output_token
     return out
 
 
-def replay(requests: list[list[int]], prompt_tokens: int, k: int, concurrency: int) -> dict:
-    """Run the replay (see the module docstring) with a fresh SuffixProposer of the default config."""
+def replay(requests: list[list[int]], prompt_tokens: int, k: int, concurrency: int, tree: str) -> dict:
+    """Run the replay (see the module docstring) with a fresh SuffixProposer of the default config on the
+    `tree` implementation ("python" or "native")."""
     from specserve.config import SpeculativeConfig
     from specserve.sampling_params import SamplingParams
     from specserve.spec_decode.proposer import ProposalInput
     from specserve.spec_decode.suffix import SuffixProposer
 
-    prop = SuffixProposer(SpeculativeConfig("suffix", k))
+    prop = SuffixProposer(SpeculativeConfig("suffix", k), tree_impl=tree)
     sp = SamplingParams(temperature=0.0)
     pending = list(enumerate(requests))
     active: dict[str, tuple[list[int], list[int]]] = {}  # id -> (committed tokens, full file)
@@ -103,6 +107,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="whole replays; the fastest is reported")
+    ap.add_argument("--trees", default="python,native",
+                    help="suffix tree implementations to compare, alternating within each repeat")
     ap.add_argument("--out", default=None, help="JSON file to write (default: print only)")
     args = ap.parse_args()
     tok = Path(args.tokenizer) if args.tokenizer else None
@@ -113,11 +119,18 @@ def main() -> None:
     if not tok.exists():
         sys.exit(f"no tokenizer at {tok}: pass --tokenizer or run `specserve pull qwen2.5-coder-0.5b-instruct`")
     reqs = load_requests(tok, args.files, args.prompt_tokens, args.output_tokens)
-    runs = [replay(reqs, args.prompt_tokens, args.k, args.concurrency) for _ in range(args.repeats)]
-    best = min(runs, key=lambda r: r["propose_us_per_request"]["mean"] + r["prepare_us_per_request"]["mean"])
+    trees = args.trees.split(",")
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for rep in range(args.repeats):
+        for t in trees if rep % 2 == 0 else trees[::-1]:
+            runs[t].append(replay(reqs, args.prompt_tokens, args.k, args.concurrency, t))
+    cost = lambda r: r["propose_us_per_request"]["mean"] + r["prepare_us_per_request"]["mean"]  # noqa: E731
+    best = {t: min(rs, key=cost) for t, rs in runs.items()}
     result = {"benchmark": "suffix_speed", "host": platform.node(), "python": platform.python_version(),
               "loadavg_1min": os.getloadavg()[0], "config": vars(args) | {"tokenizer": str(tok)},
-              "requests": len(reqs), "best": best, "runs": runs}
+              "requests": len(reqs), "best": best,
+              "same_drafts": len({b["drafts_sha256"] for b in best.values()}) == 1,
+              "prepare_plus_propose_us_per_request": {t: round(cost(b), 1) for t, b in best.items()}, "runs": runs}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -21,99 +21,31 @@ What it does not do: bf16/fp16, CUDA, or quantized weights.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from specserve.native import NativeExtension, native_cflags
 
 SOURCE = Path(__file__).with_name("panel_linear.cpp")
 LANES = 16  # output features per panel (the .cpp's kLanes)
-_lock = threading.Lock()
-_kernel: ModuleType | None = None
-_error: str | None = None
-
-
-def _cflags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-mprefer-vector-width=512")  # gcc's default for some Intel -march targets is 256 bits
-    return flags
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build_name() -> str:
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_cflags()).encode(), _cpu_flags().encode(), torch.__version__.encode()):
-        digest.update(part)
-    return f"specserve_panel_linear_{digest.hexdigest()[:16]}"
-
-
-def _ninja_on_path() -> None:
-    """torch.utils.cpp_extension runs `ninja`: use the `ninja` package's binary when none is on PATH."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja  # the PyPI package ships the binary
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+EXTENSION = NativeExtension("specserve_panel_linear", SOURCE, native_cflags(openmp=True), "the panel linear kernel")
 
 
 def load_kernel() -> ModuleType:
-    """The compiled extension (built on first use, ~20 s; then loaded from the cache in well under 1 s).
+    """The compiled extension (`specserve.native.NativeExtension.load`: built on first use, ~20 s).
 
     Raises:
-        RuntimeError: it cannot be built here (no C++ compiler, no ninja, a compile error); the message
-            says why. The failure is remembered: later calls raise at once.
+        RuntimeError: it cannot be built here; the message says why (remembered: later calls raise at once).
     """
-    global _kernel, _error
-    with _lock:
-        if _kernel is not None:
-            return _kernel
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            from torch.utils.cpp_extension import load
-
-            _ninja_on_path()
-            name = _build_name()
-            root = Path(os.environ.get("SPECSERVE_KERNEL_DIR") or Path.home() / ".cache" / "specserve" / "kernels")
-            build_dir = root / name
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _kernel = load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_dir), verbose=False)
-        except Exception as e:  # noqa: BLE001 - any build failure means "not available here"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            _error = f"the panel linear kernel could not be built: {type(e).__name__}: {first}"
-            raise RuntimeError(_error) from e
-        return _kernel
+    return EXTENSION.load()
 
 
 def panel_available() -> bool:
     """Whether the panel kernel can be built (or is built) on this machine; builds it if needed."""
-    try:
-        load_kernel()
-    except RuntimeError:
-        return False
-    return True
+    return EXTENSION.available()
 
 
 class PanelLinear(nn.Module):
@@ -161,7 +93,7 @@ class PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = (_kernel or load_kernel()).linear(rows, self.weight, self.bias, self.out_features)
+        y = load_kernel().linear(rows, self.weight, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

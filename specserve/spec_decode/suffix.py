@@ -16,6 +16,15 @@ Drafts are deterministic: `Proposal.draft_probs` is None.
 What it does not do: token trees (linear chains only), or share a request's own tree with another
 request (B28): request A's tokens reach others only via the global tree, and only after A finished.
 
+Two implementations of the tree with the same counts and the same drafts: `SuffixTree` here (pure
+Python, the reference) and `NativeSuffixTree`, a C++ port (`suffix_tree.cpp`, built on first use like
+the panel kernel, `specserve.native`): on a replay of 16 requests of real code a request-step of the
+proposer (ingest + draft, wrappers included) took 6.7 us against 26.4 us on the 2-core Intel VM
+(`benchmarks/suffix_speed.py`, `docs/benchmarks/suffix_speed_native_cpu.json`, same drafts), and its
+nodes are not Python objects, so the garbage collector never walks them. The proposer uses the
+C++ tree where it can be built; `SPECSERVE_SUFFIX_TREE` = `auto` (default: C++, else Python with a logged
+warning saying why), `native` (C++ or an error) or `python`.
+
 Why not arctic-inference (Snowflake): PyPI has only an sdist (0.3.0); building it needs a C++20
 compiler, CMake, nanobind, grpcio-tools and torch >= 2.10 (an isolated build pulls a CUDA torch), it
 registers a vLLM plugin, and the GPU machine has no network to build it. Its suffix-tree extension
@@ -36,12 +45,22 @@ so lower max_cached_requests on small machines).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 from specserve.config import SpeculativeConfig
+from specserve.native import NativeExtension, native_cflags
 from specserve.spec_decode.proposer import Proposal, ProposalInput
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = NativeExtension("specserve_suffix_tree", Path(__file__).with_name("suffix_tree.cpp"),
+                            native_cflags(openmp=False), "the C++ suffix tree")
+TREE_IMPLS = ("auto", "native", "python")
 
 
 class _Node:
@@ -149,6 +168,19 @@ class SuffixTree:
         """The sequence will not grow any more: drop its cursors."""
         self._cursors.pop(seq_id, None)
 
+    def length(self, seq_id: int) -> int:
+        """Tokens of sequence `seq_id` ingested so far (0 for an unknown id)."""
+        return len(self.seqs.get(seq_id, ()))
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """Ids of the sequences in the tree, ascending."""
+        return sorted(self.seqs)
+
+    def token(self, seq_id: int, i: int) -> int:
+        """Token i of sequence `seq_id`. Raises IndexError / KeyError where there is none."""
+        return self.seqs[seq_id][i]
+
     def remove(self, seq_id: int) -> None:
         """Delete sequence `seq_id` and all its suffixes' counts (no-op for an unknown id)."""
         seq = self.seqs.pop(seq_id, None)
@@ -252,6 +284,74 @@ class SuffixTree:
         return best
 
 
+class NativeSuffixTree:
+    """The C++ `SuffixTree` (suffix_tree.cpp): the same methods, counts and drafts as `SuffixTree`.
+
+    Raises:
+        RuntimeError: the extension cannot be built here (`specserve.native.NativeExtension.load`).
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self._tree = EXTENSION.load().SuffixTree(max_depth)
+        self._keep = max_depth - 1
+
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Append `tokens` (ints) to sequence `seq_id` (created when new)."""
+        self._tree.extend(seq_id, tokens)
+
+    def seal(self, seq_id: int) -> None:
+        """The sequence will not grow any more: drop its cursors."""
+        self._tree.seal(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        """Delete sequence `seq_id` and all its suffixes' counts (no-op for an unknown id)."""
+        self._tree.remove(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens of sequence `seq_id` ingested so far (0 for an unknown id)."""
+        return self._tree.length(seq_id)
+
+    def token(self, seq_id: int, i: int) -> int:
+        """Token i of sequence `seq_id`. Raises IndexError where there is none."""
+        return self._tree.token(seq_id, i)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        """Ids of the sequences in the tree, ascending."""
+        return self._tree.seq_ids()
+
+    def speculate(self, context: Sequence[int], k: int, max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
+        """As `SuffixTree.speculate` (only the last max_depth - 1 tokens of `context` are passed to C++)."""
+        ctx = context[-self._keep :] if self._keep > 0 else []
+        toks, probs, score, match_len = self._tree.speculate(ctx, k, max_spec_factor, min_token_prob)
+        return SuffixDraft(toks, probs, score, match_len)
+
+
+def tree_factory(impl: str | None = None):
+    """The tree class to use: `NativeSuffixTree` or `SuffixTree`.
+
+    Args:
+        impl: "auto", "native" or "python"; None reads `SPECSERVE_SUFFIX_TREE` (default "auto").
+
+    Raises:
+        ValueError: an unknown impl. RuntimeError: "native" and the C++ tree cannot be built here.
+    """
+    impl = impl if impl is not None else os.environ.get("SPECSERVE_SUFFIX_TREE", "auto")
+    if impl not in TREE_IMPLS:
+        raise ValueError(f"SPECSERVE_SUFFIX_TREE must be one of {', '.join(TREE_IMPLS)}, got {impl!r}")
+    if impl == "python":
+        return SuffixTree
+    try:
+        EXTENSION.load()
+    except RuntimeError as e:
+        if impl == "native":
+            raise
+        logger.warning("the suffix proposer uses its Python tree (slower, same drafts): %s", e)
+        return SuffixTree
+    return NativeSuffixTree
+
+
 class SuffixProposer:
     """SuffixDecoding proposer (Oliaro et al. 2024), configured by the `suffix_decoding_*` keys.
 
@@ -265,13 +365,14 @@ class SuffixProposer:
 
     method = "suffix"
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, tree_impl: str | None = None) -> None:
+        self.tree_class = tree_factory(tree_impl)  # tree_impl: "auto" / "native" / "python", None = env
         self.max_depth = config.suffix_decoding_max_tree_depth
         self.max_cached_requests = config.suffix_decoding_max_cached_requests
         self.max_spec_factor = config.suffix_decoding_max_spec_factor
         self.min_token_prob = config.suffix_decoding_min_token_prob
-        self._requests: dict[str, tuple[SuffixTree, int]] = {}  # running request id -> (tree, num prompt tokens)
-        self._global = SuffixTree(self.max_depth)
+        self._requests: dict[str, tuple[SuffixTree | NativeSuffixTree, int]] = {}  # running request id -> (tree, num prompt tokens)
+        self._global = self.tree_class(self.max_depth)
         self._cached: OrderedDict[str, int] = OrderedDict()  # finished request id -> global seq id, oldest first
         self._next_seq_id = 0
         self._finished: list[tuple[str, list[int]]] = []  # outputs not yet in the global tree (`_flush`)
@@ -285,7 +386,7 @@ class SuffixProposer:
         return list(self._cached)
 
     @property
-    def global_tree(self) -> SuffixTree:
+    def global_tree(self) -> SuffixTree | NativeSuffixTree:
         """The tree over the cached outputs of finished requests."""
         self._flush()
         return self._global
@@ -295,16 +396,15 @@ class SuffixProposer:
         if self._finished:
             self._flush()
         toks, st = inp.token_ids, self._requests.get(inp.request_id)
-        seq = st[0].seqs.setdefault(0, []) if st else []
-        n = len(seq)
-        if st is None or len(toks) < n or (n and toks[n - 1] != seq[n - 1]):  # new, or not a continuation
-            st = self._requests[inp.request_id] = (SuffixTree(self.max_depth), inp.num_prompt_tokens)
-            seq, n = st[0].seqs.setdefault(0, []), 0
+        n = st[0].length(0) if st else 0
+        if st is None or len(toks) < n or (n and toks[n - 1] != st[0].token(0, n - 1)):  # new, or not a continuation
+            st = self._requests[inp.request_id] = (self.tree_class(self.max_depth), inp.num_prompt_tokens)
+            n = 0
         if len(toks) > n:
             st[0].extend(0, [int(x) for x in toks[n:]])
         if inp.num_speculative_tokens <= 0:
             return SuffixDraft()
-        args = (seq, inp.num_speculative_tokens, self.max_spec_factor, self.min_token_prob)
+        args = (toks, inp.num_speculative_tokens, self.max_spec_factor, self.min_token_prob)
         best = st[0].speculate(*args)
         best.source = "local" if best.token_ids else ""
         if self._cached:

@@ -91,8 +91,9 @@ def test_auto_and_panel_replace_every_linear_and_the_tied_head():
 
 
 def test_a_kernel_that_cannot_be_built_is_an_error_for_panel_and_a_logged_fallback_for_auto(monkeypatch, caplog):
-    monkeypatch.setattr(panel_linear, "_kernel", None)
-    monkeypatch.setattr(panel_linear, "_error", "the panel linear kernel could not be built: RuntimeError: no g++")
+    ext = panel_linear.EXTENSION
+    monkeypatch.setattr(ext, "_module", None)
+    monkeypatch.setattr(ext, "_error", "the panel linear kernel could not be built: RuntimeError: no g++")
     model = nn.Sequential(nn.Linear(8, 16))
     with pytest.raises(RuntimeError, match="could not be built: RuntimeError: no g\\+\\+"):
         pack_linear_weights(model, "panel")
