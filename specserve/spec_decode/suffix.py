@@ -246,7 +246,10 @@ class SuffixTree:
             toks.append(t)
             probs.append(prob)
             node, q = (child, None) if type(child) is _Node else (child, child.pos + 1)
-        d.score = sum(probs)
+        score = 0.0  # summed left to right: Python 3.12's sum() compensates, so scores (and ties) would
+        for p in probs:  # depend on the Python version; the C++ tree sums the same way
+            score += p
+        d.score = score
         return d
 
     def speculate(self, context: Sequence[int], k: int, max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
