@@ -3,11 +3,11 @@
 Two hot paths of the engine are C++ (`specserve/model/panel_linear.cpp`, the CPU linear layers, and
 `specserve/spec_decode/suffix_tree.cpp`, the suffix proposer's tree). Each is one source file built with
 torch.utils.cpp_extension (gcc and ninja; the `ninja` wheel is a dependency) with -O3 -march=native, so
-the build directory is named after a hash of the source, the flags, this CPU's instruction-set flags and
-the torch version: another CPU type or torch build compiles anew, an unchanged one loads in well under a
+the build directory is named after a hash of the source, the flags, this CPU's instruction-set flags, the
+torch version and the Python ABI (EXT_SUFFIX): another CPU type or torch build compiles anew, an unchanged one loads in well under a
 second. The cache lives under ~/.cache/specserve/kernels (SPECSERVE_KERNEL_DIR overrides).
 
-A build that fails is remembered with its reason (the first line of the compiler's error); every later
+A build that fails is remembered with its reason (the first line that reports an error); every later
 `load` raises it at once, so a caller can fall back (with a logged warning) or fail with that message.
 """
 
@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sysconfig
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -65,7 +66,7 @@ class NativeExtension:
     def build_name(self) -> str:
         digest = hashlib.sha256()
         for part in (self.source.read_bytes(), " ".join(self.cflags).encode(), _cpu_flags().encode(),
-                     torch.__version__.encode()):
+                     torch.__version__.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode()):
             digest.update(part)
         return f"{self.name}_{digest.hexdigest()[:16]}"
 
@@ -96,7 +97,9 @@ class NativeExtension:
                                     extra_ldflags=["-fopenmp"] if "-fopenmp" in self.cflags else [],
                                     build_directory=str(build_dir), verbose=False)
             except Exception as e:  # noqa: BLE001 - any build failure means "not available here"
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                lines = str(e).strip().splitlines()
+                errors = [ln.strip() for ln in lines if "error" in ln.lower() and not ln.lstrip().startswith("[")]
+                first = (errors or lines or [type(e).__name__])[0]  # the compiler's error, not the command line
                 self._error = f"{self.what} could not be built: {type(e).__name__}: {first}"
                 raise RuntimeError(self._error) from e
             return self._module

@@ -122,7 +122,13 @@ class SuffixTree:
         self._cursors: dict[int, deque] = {}  # seq id -> cursors [anchor node, depth, start] of growing suffixes
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Append `tokens` (ints) to sequence `seq_id` (created when new). O(len(tokens) * depth)."""
+        """Append `tokens` (ints) to sequence `seq_id` (created when new). O(len(tokens) * depth).
+
+        Raises:
+            ValueError: `seq_id` was sealed (its suffixes no longer have cursors to grow).
+        """
+        if seq_id in self.seqs and seq_id not in self._cursors:
+            raise ValueError(f"suffix tree: sequence {seq_id} is sealed and cannot be extended")
         seq = self.seqs.setdefault(seq_id, [])
         curs = self._cursors.setdefault(seq_id, deque())
         D = self.max_depth
@@ -300,7 +306,7 @@ class NativeSuffixTree:
         self._keep = max_depth - 1
 
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Append `tokens` (ints) to sequence `seq_id` (created when new)."""
+        """Append `tokens` (ints) to sequence `seq_id` (created when new). Raises ValueError if it was sealed."""
         self._tree.extend(seq_id, tokens)
 
     def seal(self, seq_id: int) -> None:

@@ -9,10 +9,12 @@
 //
 // Layout: a Node holds its children as a small vector of Child (an index map is added from kIndexed
 // children on, e.g. at the root). A Child is a real Node or a tail: a chain of count-1 nodes owned by one
-// suffix, stored as a window (seq, pos, limit) into that sequence. Ties in the "most frequent child"
-// go to the child inserted first, as Python's max() over a dict does: each Child keeps its insertion
-// stamp, and turning a tail into a node keeps its stamp (a dict assignment to an existing key keeps its
-// place).
+// suffix, stored as a window (seq, pos, limit) into that sequence. The "most frequent child" follows
+// the Python tree's rules exactly: it is updated incrementally as counts grow (a tie keeps the current
+// best), and where it is recomputed (after a removal) ties go to the child inserted first, as Python's
+// max() over a dict does: each Child keeps its insertion stamp, and turning a tail into a node keeps its
+// stamp (a dict assignment to an existing key keeps its place). So both trees' drafts can depend on the
+// history of insertions and removals, identically.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -21,6 +23,8 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -116,6 +120,8 @@ class SuffixTree {
   explicit SuffixTree(int64_t max_depth) : depth_(max_depth), root_(std::make_unique<Node>(0)) {}
 
   void extend(int64_t seq_id, const std::vector<Token>& tokens) {
+    if (seqs_.count(seq_id) && !cursors_.count(seq_id))
+      throw py::value_error("suffix tree: sequence " + std::to_string(seq_id) + " is sealed and cannot be extended");
     Seq& seq = seqs_[seq_id];  // unordered_map: the vector's address is stable while it exists
     auto& curs = cursors_[seq_id];
     const int64_t D = depth_;
@@ -183,6 +189,7 @@ class SuffixTree {
       for (int64_t q = start; q < std::min(n, start + D); ++q) {
         const Token t = seq[q];
         Child* child = node->find(t);
+        if (child == nullptr) throw std::logic_error("suffix tree: remove found a count missing (corrupt tree)");
         node->cont -= 1;
         if (node->has_best && node->best == t) node->has_best = false;
         if (child->node == nullptr) {  // count 1: only this suffix runs through it
@@ -328,7 +335,7 @@ class SuffixTree {
         q = child->pos + 1;
       }
     }
-    double score = 0.0;  // summed in order, as Python's sum()
+    double score = 0.0;  // summed left to right, as SuffixTree._draft does
     for (double p : d.probs) score += p;
     d.score = score;
     return d;

@@ -153,3 +153,25 @@ def test_the_implementation_is_chosen_by_the_variable(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="specserve.spec_decode.suffix"):
         assert tree_factory("auto") is SuffixTree
     assert "uses its Python tree" in caplog.text and "no g++" in caplog.text
+
+
+@needs_native
+def test_auto_uses_the_native_tree_where_it_builds(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_SUFFIX_TREE", raising=False)
+    assert tree_factory() is NativeSuffixTree and SuffixProposer(SpeculativeConfig(method="suffix")).tree_class is NativeSuffixTree
+
+
+@needs_native
+@pytest.mark.parametrize("cls", [SuffixTree, NativeSuffixTree])
+def test_a_sealed_sequence_cannot_be_extended(cls):
+    tree = cls(5)
+    tree.extend(0, [0, 0, 1])
+    tree.seal(0)
+    with pytest.raises(ValueError, match="sequence 0 is sealed"):
+        tree.extend(0, [1, 1, 0])
+    tree.extend(1, [1, 0, 0, 0])  # others are unaffected, and removal stays consistent
+    tree.remove(0)
+    tree.remove(1)
+    assert tree.seq_ids == [] and tree.speculate([1, 0], 4, 4.0, 0.0).token_ids == []
+    tree.extend(0, [3, 4])  # a removed id is a new sequence
+    assert tree.length(0) == 2
