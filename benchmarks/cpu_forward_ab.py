@@ -153,7 +153,11 @@ def main() -> None:
                          "min_ms": 1000 * min(xs), "paired_ratio_to_first": statistics.median(paired)})
             print(f"{s:7s} {label:>14s}  median {rows[-1]['median_ms']:8.1f} ms  min {rows[-1]['min_ms']:8.1f} ms"
                   f"  x{rows[-1]['paired_ratio_to_first']:.2f}")
-    res = {"benchmark": "cpu_forward_ab", "model": args.model, "versions": refs, "variants": labels,
+    commits = {}
+    for ref in refs:  # a ref like HEAD moves: record the commit it named (folders stay as given)
+        out = subprocess.run(["git", "rev-parse", "--short", ref], capture_output=True, text=True)
+        commits[ref] = None if Path(ref, "specserve").is_dir() or out.returncode else out.stdout.strip()
+    res = {"benchmark": "cpu_forward_ab", "model": args.model, "versions": refs, "commits": commits, "variants": labels,
            "threads": args.threads, "engine_thread": args.pool_ab, "repeats": args.repeats, "context_tokens": CONTEXT,
            "shapes": {s: {"sequences": SHAPES[s][0], "new_tokens_each": SHAPES[s][1]} for s in shapes},
            "conditions": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, fp32, loadavg 1 min "
