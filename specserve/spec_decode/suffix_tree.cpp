@@ -263,8 +263,6 @@ class SuffixTree {
     return ids;
   }
 
-  std::tuple<int64_t, int64_t> root_counts() const { return {root_->cont, static_cast<int64_t>(root_->kids.size())}; }
-
   int64_t max_depth() const { return depth_; }
 
  private:
@@ -365,6 +363,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("length", &SuffixTree::length, py::arg("seq_id"))
       .def("token", &SuffixTree::token, py::arg("seq_id"), py::arg("i"))
       .def("seq_ids", &SuffixTree::seq_ids)
-      .def("root_counts", &SuffixTree::root_counts)
       .def_property_readonly("max_depth", &SuffixTree::max_depth);
 }
