@@ -4,8 +4,9 @@ Two hot paths of the engine are C++ (`specserve/model/panel_linear.cpp`, the CPU
 `specserve/spec_decode/suffix_tree.cpp`, the suffix proposer's tree). Each is one source file built with
 torch.utils.cpp_extension (gcc and ninja; the `ninja` wheel is a dependency) with -O3 -march=native, so
 the build directory is named after a hash of the source, the flags, this CPU's instruction-set flags, the
-torch version and the Python ABI (EXT_SUFFIX): another CPU type or torch build compiles anew, an unchanged one loads in well under a
-second. The cache lives under ~/.cache/specserve/kernels (SPECSERVE_KERNEL_DIR overrides).
+torch version and the Python ABI (EXT_SUFFIX): another CPU type, torch or Python compiles anew, an
+unchanged one loads in well under a second. The cache lives under ~/.cache/specserve/kernels
+(SPECSERVE_KERNEL_DIR overrides).
 
 A build that fails is remembered with its reason (the first line that reports an error); every later
 `load` raises it at once, so a caller can fall back (with a logged warning) or fail with that message.

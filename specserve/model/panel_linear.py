@@ -12,10 +12,8 @@ a row, 2 threads (docs/benchmarks/cpu_linear_kernels_intel.json): 1 row 62 ms ag
 MKL's 66; 4 rows 67 against 73 (MKL 151); 16 rows 104 against 108; a 300-row prompt chunk 844 against
 849 (docs/cpu_performance.md, "Linear layers: the panel kernel").
 
-What it does: builds the C++ extension once per machine with torch.utils.cpp_extension (gcc and ninja;
--O3 -march=native, so the build directory is named after this CPU's instruction-set flags and the source)
-under ~/.cache/specserve/kernels (SPECSERVE_KERNEL_DIR overrides), and `PanelLinear` holds a packed
-weight as an ordinary tensor (so it can live in the huge-page weight arena).
+What it does: `PanelLinear` holds a packed weight as an ordinary tensor (so it can live in the huge-page
+weight arena); the C++ source is compiled once per machine on first use (`specserve.native`).
 What it does not do: bf16/fp16, CUDA, or quantized weights.
 """
 
