@@ -133,10 +133,12 @@ class ModelRunner:
         self.device = device
         # a verify block attended row by row where this machine's SDPA would give its rows other bits
         # than one-token decodes (specserve.model.attention, module docstring); a model without a
-        # transformer config (a test's toy model) has no such attention to probe
+        # transformer config (a test's toy model) has no such attention to probe, and the fused CPU
+        # kernels (specserve.model.cpu_layer_ops) attend every row on its own by construction
         cfg = getattr(model, "config", None)
-        self.verify_by_row = cfg is not None and not sdpa_rows_match_decodes(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype, device)
+        self.verify_by_row = (cfg is not None and getattr(model, "cpu_layer_ops", None) is None
+                              and not sdpa_rows_match_decodes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                              next(model.parameters()).dtype, device))
 
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Run the model once over the step and extend each slot's valid length.

@@ -17,6 +17,7 @@ from torch import nn
 
 from specserve.model.attention import AttentionMetadata, cached_attention
 from specserve.model.config import ModelConfig
+from specserve.model.cpu_layer_ops import cpu_fused_forward
 
 
 class RMSNorm(nn.Module):
@@ -199,6 +200,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg, max_positions)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cpu_layer_ops = None  # the fused CPU kernels when the loader selects them (`specserve.model.cpu_layer_ops`)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up projections of every layer (call after loading weights)."""
@@ -208,6 +210,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, meta, kv, logits_rows):
+        if self.cpu_layer_ops is not None:
+            return cpu_fused_forward(self, input_ids, meta, kv, logits_rows)
         x = self.model.embed_tokens(input_ids)
         rope_tables = self.model.rotary.tables(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from specserve.model.config import ModelConfig
+from specserve.model.cpu_layer_ops import select_layer_kernels
 from specserve.model.cpu_linear import pack_linear_weights
 from specserve.model.llama import CausalLM, RotaryEmbedding
 from specserve.model.weight_memory import move_weights_to_huge_pages
@@ -86,6 +87,7 @@ def load_model(
     model.linear_backend = "torch"
     if torch.device(device).type == "cpu":
         model.linear_backend = pack_linear_weights(model, cpu_linear)
+        model.layer_backend = select_layer_kernels(model)
         # Also copies the tensors still backed by the memory-mapped checkpoint (when no dtype conversion
         # was needed) into private memory: each loading process then holds its own copy of the weights
         # instead of sharing the file's page cache, in exchange for huge pages.

@@ -86,9 +86,10 @@ def serve(args: argparse.Namespace) -> int:
         cm = engine.adaptive.step_cost
         log.info("step cost of %s on %s (%s): %s", engine.model_name, engine.device, cm.meta.get("cache", "not cached"),
                  cm.summary())
-    log.info("model %s on %s (%s; linear layers: %s; prefix caching %s)", engine.model_name, engine.device,
-             f"{engine.cpu_threads} CPU threads" if engine.cpu_threads else "CUDA",
+    log.info("model %s on %s (%s; linear layers: %s; layer ops: %s; prefix caching %s)", engine.model_name,
+             engine.device, f"{engine.cpu_threads} CPU threads" if engine.cpu_threads else "CUDA",
              getattr(engine.target.model, "linear_backend", "torch"),
+             getattr(engine.target.model, "layer_backend", "torch"),
              "on" if engine.config.enable_prefix_caching else "off")
     log.info("profiles: %s; admin API %s; tool-call parser %s", {n: p.method for n, p in profile_set.profiles.items()},
              "on" if token else "off (no --admin-token)", app.state.specserve.tool_parser)
