@@ -11,8 +11,16 @@ main thread's OpenMP pool released" (what the loader does) and "alive" (what it 
 specserve/engine/cpu_threads.py), alternating. Reports the median and minimum milliseconds
 per forward and, per variant, the median over repeats of the paired ratio to the first (< 1 = faster).
 
+Load order: the version loaded first runs faster, whatever it is (on the 2-core Intel host, 2026-12-03:
+the same two commits read 1.03x with one order and 0.93x with the other for one decode; the first
+model's weights get the memory the second's then lack). So with two refs, `--both-load-orders` runs the
+comparison twice, each in its own child process, once in each load order, and reports per shape the
+ratio of the second ref over the first from each run and their geometric mean, in which a bias of the
+load order cancels.
+
     python benchmarks/cpu_forward_ab.py --refs main,HEAD --threads 2 --tag versions --out docs/benchmarks
     python benchmarks/cpu_forward_ab.py --refs HEAD --pool-ab --tag openmp_pool --out docs/benchmarks
+    python benchmarks/cpu_forward_ab.py --refs main,HEAD --both-load-orders --tag layer_kernels --out docs/benchmarks
 """
 
 from __future__ import annotations
@@ -86,6 +94,45 @@ class Version:
         return time.perf_counter() - t0  # after pre300, slot 0 again holds CONTEXT[0] = 300 tokens
 
 
+def both_load_orders(args) -> None:
+    """Run the A/B of two refs in each load order, each in a child process; write the combined record."""
+    refs = args.refs.split(",")
+    if len(refs) != 2 or args.pool_ab:
+        raise SystemExit("--both-load-orders compares two refs (and not with --pool-ab)")
+    runs = []
+    for order in (refs, refs[::-1]):
+        cmd = [sys.executable, __file__, "--refs", ",".join(order), "--model", args.model, "--threads", str(args.threads),
+               "--shapes", args.shapes, "--repeats", str(args.repeats)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    a, b = refs
+    rows = []
+    for shape in args.shapes.split(","):
+        first = {r["variant"]: r for r in runs[0]["rows"] if r["shape"] == shape}
+        second = {r["variant"]: r for r in runs[1]["rows"] if r["shape"] == shape}
+        r1 = first[b]["paired_ratio_to_first"]  # b loaded second
+        r2 = 1.0 / second[a]["paired_ratio_to_first"]  # b loaded first
+        rows.append({"shape": shape, f"{b}_over_{a}_loaded_{a}_first": r1, f"{b}_over_{a}_loaded_{b}_first": r2,
+                     f"{b}_over_{a}_geomean": (r1 * r2) ** 0.5, "load_order_effect": (r1 / r2) ** 0.5,
+                     "median_ms": {a: [first[a]["median_ms"], second[a]["median_ms"]],
+                                   b: [first[b]["median_ms"], second[b]["median_ms"]]}})
+        print(f"{shape:7s} {b} / {a}: {r1:.3f} ({a} loaded first), {r2:.3f} ({b} loaded first), "
+              f"geometric mean {rows[-1][f'{b}_over_{a}_geomean']:.3f}")
+    res = {"benchmark": "cpu_forward_ab", "mode": "both load orders", "model": args.model, "versions": refs,
+           "commits": runs[0]["commits"], "threads": args.threads, "repeats": args.repeats,
+           "context_tokens": CONTEXT, "shapes": runs[0]["shapes"],
+           "direction": f"ratios are {b}'s time over {a}'s (< 1: {b} is faster); the geometric mean of the two "
+                        "load orders cancels the advantage of the version loaded first",
+           "conditions": [r["conditions"] for r in runs], "rows": rows, "runs": runs}
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"cpu_forward_ab{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--refs", required=True, help="comma-separated git refs or source folders; the first is the reference")
@@ -95,9 +142,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--pool-ab", action="store_true",
                     help="one version on an engine thread, with the main thread's OpenMP pool released vs alive")
+    ap.add_argument("--both-load-orders", action="store_true",
+                    help="two refs: run once in each load order (child processes), report both and their geometric mean")
     ap.add_argument("--tag", default=None, help="suffix of the output file name")
     ap.add_argument("--out", default=None, help="folder for cpu_forward_ab[_TAG].json")
     args = ap.parse_args()
+    if args.both_load_orders:
+        both_load_orders(args)
+        return
 
     import torch
 
