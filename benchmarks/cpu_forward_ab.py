@@ -11,12 +11,12 @@ main thread's OpenMP pool released" (what the loader does) and "alive" (what it 
 specserve/engine/cpu_threads.py), alternating. Reports the median and minimum milliseconds
 per forward and, per variant, the median over repeats of the paired ratio to the first (< 1 = faster).
 
-Load order: the version loaded first runs faster, whatever it is (on the 2-core Intel host, 2026-12-03:
-the same two commits read 1.03x with one order and 0.93x with the other for one decode; the first
-model's weights get the memory the second's then lack). So with two refs, `--both-load-orders` runs the
-comparison twice, each in its own child process, once in each load order, and reports per shape the
-ratio of the second ref over the first from each run and their geometric mean, in which a bias of the
-load order cancels.
+Load order can bias the result: on the 2-core Intel host (2026-12-03) the same two commits read 1.03x
+with the older one loaded first and 0.93x with the newer one first for one decode, back to back (a
+second model's weights may not get the huge pages the first one's got); the next run, each order in its
+own process, read 0.91x and 0.92x. So with two refs, `--both-load-orders` runs the comparison twice, each
+in its own child process, once in each load order, and reports per shape the ratio of the second ref
+over the first from each run and their geometric mean, in which a bias of the load order cancels.
 
     python benchmarks/cpu_forward_ab.py --refs main,HEAD --threads 2 --tag versions --out docs/benchmarks
     python benchmarks/cpu_forward_ab.py --refs HEAD --pool-ab --tag openmp_pool --out docs/benchmarks
