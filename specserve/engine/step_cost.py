@@ -349,12 +349,14 @@ def _device_name(device: Any) -> str:
 
 
 def _code_fingerprint() -> str:
-    """sha256 of the sources that decide how fast a forward is (a new build is re-measured)."""
+    """sha256 of the sources that decide how fast a forward is, the C++ kernels included (a new build is
+    re-measured)."""
     import specserve
 
     root = Path(specserve.__file__).parent
     h = hashlib.sha256()
-    for p in sorted(list((root / "model").glob("*.py")) + list((root / "engine").glob("*.py"))):
+    for p in sorted(list((root / "model").glob("*.py")) + list((root / "model").glob("*.cpp"))
+                    + list((root / "engine").glob("*.py"))):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
