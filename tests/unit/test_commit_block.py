@@ -97,3 +97,32 @@ def test_fast_tokenizer_backend_decode_equals_transformers_decode(tokenizer):
         for skip in (True, False):
             assert stop._decode(tokenizer, ids, skip) == tokenizer.decode(
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+class _CountingTokenizer:
+    """Decodes token t to chr(t), except ids >= 1000, which decode to nothing (as a skipped special token
+    does); counts decode calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        self.calls += 1
+        return "".join(chr(t) for t in ids if t < 1000)
+
+
+@pytest.mark.parametrize("block", [1, 5])
+def test_text_that_stays_incomplete_costs_a_bounded_number_of_decodes_per_step(block):
+    """A request whose new tokens add no text (here: 300 tokens that decode to nothing) keeps its
+    detokenization offsets where they are; each step must still decode only its own tokens, not every
+    pending one again (that was ~72 tokenizer calls per token at 16 concurrent requests of a random model)."""
+    tok = _CountingTokenizer()
+    r = Request("r", [65, 66], SamplingParams(max_tokens=None), None, 0)
+    steps = 0
+    for start in range(0, 300, block):
+        stop._commit_block(r, [1000 + start + i for i in range(block)], None, tok, (), 10_000)
+        steps += 1
+    assert r.text == ""
+    assert tok.calls <= steps * (2 + 2 * block), tok.calls  # the block's decode pair + one pair per new token
+    stop._commit_block(r, [67, 68], None, tok, (), 10_000)  # text again: everything pending comes out
+    assert r.text == "CD"
