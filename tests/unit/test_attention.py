@@ -85,13 +85,16 @@ def test_a_verify_block_attended_by_row_gives_decode_bits():
     assert torch.equal(cached_attention(q[n:], k[n:], v[n:], kc.clone(), vc.clone(), plain, D ** -0.5), block[n:])
 
 
-def test_the_runner_gives_a_verify_block_the_logits_of_one_token_decodes(tiny_model_dir):
+@pytest.mark.parametrize("layer_ops", ["torch", "auto"])
+def test_the_runner_gives_a_verify_block_the_logits_of_one_token_decodes(tiny_model_dir, monkeypatch, layer_ops):
     """The guarantee the row-by-row attention exists for, on the runner the engine uses (its own probe
     decides whether it is needed on this CPU): the logits of a 5-token verify block after a 37-token
-    prompt are bit-identical to five one-token decodes at the same positions."""
+    prompt are bit-identical to five one-token decodes at the same positions. Both with the eager ops
+    and with the fused CPU kernels (`auto`, where they can be built), which need no probe."""
     from specserve import LLM
     from specserve.engine.model_runner import SeqInput
 
+    monkeypatch.setenv("SPECSERVE_CPU_LAYER_KERNELS", layer_ops)
     llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=2, device="cpu")
     t = llm.engine.target
     s = t.kv.allocate()
