@@ -3,6 +3,7 @@ plain softmax reference; each sequence's result does not depend on the rest of t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.model.attention import AttentionMetadata, cached_attention
