@@ -88,8 +88,29 @@ def test_stateless_no_cross_request_leakage():
     after = p.propose([inp(b, 4, "B")])
     assert after[0].token_ids == fresh[0].token_ids == [9, 100, 7, 8]
     assert set(after[0].token_ids) <= set(b)
-    assert vars(p) == {"prompt_lookup_min": 1, "prompt_lookup_max": 4}  # nothing per request
+    p.finish_request("B", b)
+    assert len(p._contexts) == 0  # the per-request context copies are gone once their requests finish
     p.finish_request("never-seen", [1, 2])  # unknown id is fine
+
+
+def test_the_context_copy_follows_growth_and_is_rebuilt_when_it_no_longer_mirrors_the_list():
+    """Drafts from the per-request copy equal a fresh lookup over the list at every step: while the
+    context grows by committed tokens (1 or several per step, past the buffer's capacity), and when an
+    id comes back with another context (reused without finish_request, or shorter)."""
+    rng = np.random.default_rng(0)
+    p, fresh = NgramProposer(1, 4), NgramProposer(1, 4)
+    ctx = rng.integers(0, 12, size=40).tolist()
+    for step in range(300):
+        ctx += rng.integers(0, 12, size=int(rng.integers(1, 6))).tolist()
+        got = p.propose([inp(ctx, 5, "r")])[0].token_ids
+        assert got == fresh.propose([inp(list(ctx), 5, f"fresh{step}")])[0].token_ids, step
+    other = rng.integers(20, 30, size=500).tolist()  # the same id, another context, longer: first token differs
+    assert p.propose([inp(other, 5, "r")])[0].token_ids == ngram_lookup(other, 5, 1, 4)[0]
+    shorter = other[:100]  # shorter than the copy
+    assert p.propose([inp(shorter, 5, "r")])[0].token_ids == ngram_lookup(shorter, 5, 1, 4)[0]
+    edited = list(shorter) + [3]
+    edited[99] = 29 if edited[99] != 29 else 28  # same first token, same length + 1, last copied token differs
+    assert p.propose([inp(edited, 5, "r")])[0].token_ids == ngram_lookup(edited, 5, 1, 4)[0]
 
 
 def test_batch_order_and_input_types():
