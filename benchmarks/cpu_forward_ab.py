@@ -12,11 +12,13 @@ specserve/engine/cpu_threads.py), alternating. Reports the median and minimum mi
 per forward and, per variant, the median over repeats of the paired ratio to the first (< 1 = faster).
 
 Load order can bias the result: on the 2-core Intel host (2026-12-03) the same two commits read 1.03x
-with the older one loaded first and 0.93x with the newer one first for one decode, back to back (a
-second model's weights may not get the huge pages the first one's got); the next run, each order in its
-own process, read 0.91x and 0.92x. So with two refs, `--both-load-orders` runs the comparison twice, each
-in its own child process, once in each load order, and reports per shape the ratio of the second ref
-over the first from each run and their geometric mean, in which a bias of the load order cancels.
+with the older one loaded first and 0.93x with the newer one first for one decode, back to back (not
+recorded; a suspect, not measured: a second model's weights may not get the huge pages the first one's
+got); the recorded run right after, each order in its own process, read 0.91x and 0.92x (its
+`load_order_effect`, 0.99-1.00, shows no bias then). So with two refs, `--both-load-orders` runs the
+comparison twice, each in its own child process, once in each load order, and reports per shape the
+ratio of the second ref over the first from each run and their geometric mean, in which a bias of the
+load order cancels.
 
     python benchmarks/cpu_forward_ab.py --refs main,HEAD --threads 2 --tag versions --out docs/benchmarks
     python benchmarks/cpu_forward_ab.py --refs HEAD --pool-ab --tag openmp_pool --out docs/benchmarks

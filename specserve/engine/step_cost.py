@@ -356,19 +356,23 @@ def _code_fingerprint() -> str:
     root = Path(specserve.__file__).parent
     h = hashlib.sha256()
     for p in sorted(list((root / "model").glob("*.py")) + list((root / "model").glob("*.cpp"))
-                    + list((root / "engine").glob("*.py"))):
+                    + list((root / "engine").glob("*.py")) + [root / "native.py"]):  # native.py: the compiler flags
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 
 def measurement_meta(model: Any) -> dict[str, Any]:
-    """What the cache key is made of: model, checksum, dtype, device (type, name), torch, threads, code."""
+    """What the cache key is made of: model, checksum, dtype, device (type, name), torch, threads, code, and
+    the CPU kernels the loaded model uses (`linear_backend`, `layer_backend`: a fallback after a failed
+    build, or an environment choice, is another measurement)."""
     import torch
 
+    net = getattr(model, "model", None)
     return {"model": model.files.name, "checksum": model.files.checksum, "dtype": str(model.dtype).removeprefix("torch."),
             "device": str(model.device), "device_name": _device_name(model.device), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "code": _code_fingerprint()}
+            "threads": torch.get_num_threads(), "code": _code_fingerprint(),
+            "linear_backend": getattr(net, "linear_backend", None), "layer_backend": getattr(net, "layer_backend", None)}
 
 
 def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path:

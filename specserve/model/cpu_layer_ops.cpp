@@ -6,7 +6,7 @@
 // Why: in eager PyTorch these are ~25 small ops per layer (views, pow/mean/rsqrt, roll/mul/add,
 // index_put, one SDPA call per sequence, silu, mul). At the 0.5b model's decode shapes each op is a
 // few microseconds of work behind a few microseconds of Python and dispatch, and together they were
-// 8 ms of a 72 ms one-row step and 12 ms of an 85 ms four-row step on the 2-core host.
+// 9.6 ms of a 72 ms one-row step and 12.9 ms of an 85 ms four-row step on the 2-core host.
 //
 // Row independence (the property the engine relies on, as for the panel kernel): every output row is
 // computed from its own input row (and, for attention, from the cache up to its own position) with a
@@ -42,18 +42,19 @@ constexpr int kLanes = 16;
 
 // sum over i < n of a[i] * b[i] (a == b for a sum of squares), n a multiple of 16, in the lane order
 // described above: lane l takes i = l, l + 16, ... with a fused multiply-add, then lanes l and l + w are
-// added for w = 8, 4, 2, 1. The AVX-512 and AVX2 forms do exactly these operations in this order (so all
-// three give the same bits); only the portable loop is left to the compiler, which does not vectorize
-// the lane tree well (13 ns for a 64-element product against ~2 ns).
+// added for w = 8, 4, 2, 1. The AVX-512 (F + DQ) and AVX2 forms do exactly these operations in this order
+// (so all three give the same bits; tests/unit/test_cpu_layer_ops.py builds the others with
+// -DSPECSERVE_PORTABLE and -mno-avx512f and compares); only the portable loop is left to the compiler,
+// which does not vectorize the lane tree well (13 ns for a 64-element product against ~2 ns).
 inline float dot_lanes(const float* __restrict a, const float* __restrict b, int64_t n) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(SPECSERVE_PORTABLE)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
   __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
   __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(SPECSERVE_PORTABLE)
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
@@ -87,13 +88,19 @@ inline float exp_poly(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
-// y[i] = exp_poly(x[i] - shift) for i < n (y may be x)
+// y[i] = exp_poly(x[i] - shift) for i < n (y may be x); a NaN stays NaN (exp_poly's clamp would hide it)
 inline void exp_shifted(const float* x, float shift, int64_t n, float* y) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = exp_poly(x[i] - shift);
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = x[i] - shift;
+    y[i] = d != d ? d : exp_poly(d);
+  }
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -163,7 +170,8 @@ void attend_group(const float* __restrict q, const float* __restrict keys, const
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   check_rows(x, "rms_norm: x");
   const int64_t T = x.size(0), N = x.size(1);
-  TORCH_CHECK(w.numel() == N && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "rms_norm: w must be [N] float32");
+  TORCH_CHECK(w.numel() == N && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.device().is_cpu(),
+              "rms_norm: w must be [N] float32 on the CPU");
   TORCH_CHECK(N % kLanes == 0, "rms_norm: N must be a multiple of 16");
   auto y = torch::empty({T, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -182,7 +190,8 @@ torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& residual, cons
   check_rows(residual, "add_rms_norm: residual");
   const int64_t T = x.size(0), N = x.size(1);
   TORCH_CHECK(residual.size(0) == T && residual.size(1) == N, "add_rms_norm: residual must have x's shape");
-  TORCH_CHECK(w.numel() == N && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "add_rms_norm: w must be [N] float32");
+  TORCH_CHECK(w.numel() == N && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.device().is_cpu(),
+              "add_rms_norm: w must be [N] float32 on the CPU");
   TORCH_CHECK(N % kLanes == 0, "add_rms_norm: N must be a multiple of 16");
   auto y = torch::empty({T, N}, x.options());
   float* xp = x.data_ptr<float>();
@@ -237,6 +246,10 @@ torch::Tensor rope_cache_attention(const torch::Tensor& qkv, const torch::Tensor
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes()
                   && k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
               "rope_cache_attention: caches must be contiguous float32 [S, Hkv, L, D] of one shape");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && cos.device().is_cpu() && sin_signed.device().is_cpu()
+                  && positions.device().is_cpu() && slots.device().is_cpu(),
+              "rope_cache_attention: every tensor must be on the CPU");
+  TORCH_CHECK(Hkv > 0 && H > 0, "rope_cache_attention: H and Hkv must be positive");
   const int64_t T = qkv.size(0), S = k_cache.size(0), L = k_cache.size(2), D = k_cache.size(3);
   TORCH_CHECK(k_cache.size(1) == Hkv && H % Hkv == 0 && qkv.size(1) == (H + 2 * Hkv) * D && D % kLanes == 0 && D <= 1024,
               "rope_cache_attention: qkv columns must be (H + 2 Hkv) * D, H a multiple of Hkv, D a multiple of 16 <= 1024");
@@ -270,7 +283,9 @@ torch::Tensor rope_cache_attention(const torch::Tensor& qkv, const torch::Tensor
       out[d] = a + b;
     }
   };
-  // phase 1: rotate q (into q) and k (into the cache), copy v into the cache; per token
+  // phase 1: rotate q (into q) and k (into the cache), copy v into the cache; per token. Two tokens of one
+  // call never share a (slot, position) (the engine schedules each position once per step); if they did,
+  // they would race on that cache row.
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* row = src + t * ld;
@@ -289,10 +304,14 @@ torch::Tensor rope_cache_attention(const torch::Tensor& qkv, const torch::Tensor
   auto out = torch::empty({T, H * D}, qkv.options());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // Tasks in zigzag order of tokens (first, last, second, second to last, ...): at::parallel_for hands each
+  // thread a contiguous range, and a prompt chunk's causal work grows with the position, so in token order
+  // the thread with the chunk's end would get ~3/4 of it (two threads). Results do not depend on the order.
   at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / Hkv, kvh = i % Hkv;
+      const int64_t z = i / Hkv, kvh = i % Hkv;
+      const int64_t t = z % 2 == 0 ? z / 2 : T - 1 - z / 2;
       const int64_t base = (slot[t] * Hkv + kvh) * L * D;
       const float* q0 = qp + (t * H + kvh * G) * D;  // the group's G query rows, one after another
       float* o = op + (t * H + kvh * G) * D;

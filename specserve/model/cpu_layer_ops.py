@@ -3,8 +3,8 @@ calls instead of ~25 eager ops (`cpu_layer_ops.cpp` holds the kernels and their 
 
 Why: with the linear layers in the panel kernel (`specserve.model.panel_linear`), what was left of a
 decode step on the 2-core host was the small ops: views, RMSNorm's pow/mean/rsqrt, RoPE's roll/mul/add,
-the KV-cache index_put, one SDPA call per sequence per layer, silu and mul: 8 ms of a 72 ms one-row step
-and 12 ms of an 85 ms four-row step (qwen2.5-coder-0.5b, 2 threads; docs/cpu_performance.md, "Fused
+the KV-cache index_put, one SDPA call per sequence per layer, silu and mul: 9.6 ms of a 72 ms one-row
+step and 12.9 ms of an 85 ms four-row step (qwen2.5-coder-0.5b, 2 threads; docs/cpu_performance.md, "Fused
 layer kernels", has the before and after).
 
 What it does: `cpu_fused_forward` runs a `CausalLM` over one step with, per layer, `add_rms_norm`
@@ -18,7 +18,7 @@ What it does not do: bf16/fp16, CUDA, Qwen3's per-head q/k norms, or head sizes 
 of 16 (`supports` says no and the model keeps the eager path).
 
 Selection: `SPECSERVE_CPU_LAYER_KERNELS=auto|native|torch` (default auto: the fused kernels for an fp32
-CPU model they support, built on first use, ~20 s, and cached by `specserve.native`; if they cannot be
+CPU model they support, built on first use, ~25 s, and cached by `specserve.native`; if they cannot be
 built, a warning and the eager path). `native` makes a build failure an error; `torch` keeps the eager
 path.
 """
@@ -58,8 +58,8 @@ def supports(model: torch.nn.Module) -> str | None:
         return "not a CausalLM"
     if cfg.family == "qwen3":
         return "Qwen3's per-head q/k norms are not fused"
-    if cfg.head_dim % 16 or cfg.hidden_size % 16:
-        return f"head_dim {cfg.head_dim} or hidden_size {cfg.hidden_size} is not a multiple of 16"
+    if cfg.head_dim % 16 or cfg.hidden_size % 16 or cfg.head_dim > 1024:
+        return f"head_dim {cfg.head_dim} or hidden_size {cfg.hidden_size} is not a multiple of 16 (or head_dim > 1024)"
     params = list(model.parameters())
     if any(p.device.type != "cpu" for p in params):
         return "not on the CPU"

@@ -95,8 +95,12 @@ def test_the_runner_gives_a_verify_block_the_logits_of_one_token_decodes(tiny_mo
     from specserve import LLM
     from specserve.engine.model_runner import SeqInput
 
+    from specserve.model.cpu_layer_ops import EXTENSION
+
     monkeypatch.setenv("SPECSERVE_CPU_LAYER_KERNELS", layer_ops)
     llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=2, device="cpu")
+    fused = layer_ops == "auto" and EXTENSION.available()
+    assert llm.engine.target.model.layer_backend == ("native" if fused else "torch")
     t = llm.engine.target
     s = t.kv.allocate()
     prompt, block = [(7 * i + 3) % 300 for i in range(37)], [11, 52, 77, 199, 242]

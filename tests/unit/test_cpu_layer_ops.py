@@ -4,6 +4,8 @@ and the selection with its errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -114,38 +116,76 @@ def test_rope_cache_attention_matches_the_eager_path(ops):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def row_identity_outputs(ops, head_dim: int) -> dict[str, torch.Tensor]:
+    """Outputs of every kernel on one random step (a verify block, a prefill chunk, a decode) and the same
+    rows computed alone; checks the row identities and returns the batch outputs."""
+    gen = torch.Generator().manual_seed(4)
+    rotary = RotaryEmbedding(head_dim, 10000.0, MAXLEN)
+    sin_signed = (rotary.sin * rotary.sign).contiguous()
+    kc = torch.randn(SLOTS, HKV, MAXLEN, head_dim, generator=gen)
+    vc = torch.randn(SLOTS, HKV, MAXLEN, head_dim, generator=gen)
+    T = 5 + 33 + 1
+    qkv = torch.randn(T, (H + 2 * HKV) * head_dim, generator=gen)
+    positions = torch.tensor(list(range(20, 25)) + list(range(33)) + [40])
+    slots = torch.tensor([0] * 5 + [1] * 33 + [2])
+    scale = head_dim ** -0.5
+    batch = ops.rope_cache_attention(qkv, rotary.cos, sin_signed, positions, slots, kc.clone(), vc.clone(), H, HKV, scale)
+    kd, vd = kc.clone(), vc.clone()  # the verify block (slot 0, positions 20..24) as five decodes in turn
+    for i in range(5):
+        one = ops.rope_cache_attention(qkv[i : i + 1], rotary.cos, sin_signed, positions[i : i + 1], slots[i : i + 1],
+                                       kd, vd, H, HKV, scale)
+        assert torch.equal(one, batch[i : i + 1]), i
+    alone = ops.rope_cache_attention(qkv[-1:], rotary.cos, sin_signed, positions[-1:], slots[-1:], kc.clone(), vc.clone(),
+                                     H, HKV, scale)
+    assert torch.equal(alone, batch[-1:])
+    chunk = ops.rope_cache_attention(qkv[5:38], rotary.cos, sin_signed, positions[5:38], slots[5:38], kc.clone(),
+                                     vc.clone(), H, HKV, scale)
+    assert torch.equal(chunk, batch[5:38])  # a prompt chunk's rows do not depend on the rest of the step
+    x, w = torch.randn(39, 64, generator=gen), torch.randn(64, generator=gen)
+    gu = torch.randn(39, 2 * 2100, generator=gen)
+    norm, swiglu = ops.rms_norm(x, w, 1e-6), ops.silu_mul(gu)
+    assert torch.equal(norm[17:18], ops.rms_norm(x[17:18], w, 1e-6))
+    assert torch.equal(swiglu[17:18], ops.silu_mul(gu[17:18]))
+    return {"attention": batch, "norm": norm, "silu_mul": swiglu}
+
+
 @needs_kernels
-@pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_is_bit_identical_alone_and_in_any_batch(ops, threads):
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128: the kernels' compile-time head sizes
+def test_every_row_is_bit_identical_alone_in_any_batch_and_with_any_thread_count(ops, head_dim):
     """A verify block's rows = one-token decodes at the same positions; a sequence's rows do not depend on
-    the other sequences of the step; norms and SwiGLU rows likewise."""
+    the other sequences of the step; norms and SwiGLU rows likewise; and 1 and 2 threads give the same bits."""
     old = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        gen = torch.Generator().manual_seed(4)
-        rotary = RotaryEmbedding(D, 10000.0, MAXLEN)
-        sin_signed = (rotary.sin * rotary.sign).contiguous()
-        kc = torch.randn(SLOTS, HKV, MAXLEN, D, generator=gen)
-        vc = torch.randn(SLOTS, HKV, MAXLEN, D, generator=gen)
-        qkv, positions, slots = make_step(gen, [(0, 20, 5), (1, 0, 33), (2, 40, 1)])
-        batch = ops.rope_cache_attention(qkv, rotary.cos, sin_signed, positions, slots, kc.clone(), vc.clone(),
-                                         H, HKV, D ** -0.5)
-        # the verify block (slot 0, positions 20..24) as five decodes, each after the previous one's key
-        kd, vd = kc.clone(), vc.clone()
-        for i in range(5):
-            one = ops.rope_cache_attention(qkv[i : i + 1], rotary.cos, sin_signed, positions[i : i + 1],
-                                           slots[i : i + 1], kd, vd, H, HKV, D ** -0.5)
-            assert torch.equal(one, batch[i : i + 1]), i
-        # the decode alone
-        alone = ops.rope_cache_attention(qkv[-1:], rotary.cos, sin_signed, positions[-1:], slots[-1:], kc.clone(),
-                                         vc.clone(), H, HKV, D ** -0.5)
-        assert torch.equal(alone, batch[-1:])
-        x, w = torch.randn(39, 64, generator=gen), torch.randn(64, generator=gen)
-        gu = torch.randn(39, 2 * 2100, generator=gen)
-        assert torch.equal(ops.rms_norm(x, w, 1e-6)[17:18], ops.rms_norm(x[17:18], w, 1e-6))
-        assert torch.equal(ops.silu_mul(gu)[17:18], ops.silu_mul(gu[17:18]))
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(row_identity_outputs(ops, head_dim))
     finally:
         torch.set_num_threads(old)
+    for name in outs[0]:
+        assert torch.equal(outs[0][name], outs[1][name]), name
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["portable", "avx2"])
+def test_the_other_instruction_set_paths_give_the_same_bits(ops, variant, tmp_path, monkeypatch):
+    """The AVX-512, AVX2 and portable forms of the lane sums do the same operations in the same order:
+    builds of this source for the other paths give this build's bits (~25 s per build)."""
+    from specserve.model.cpu_layer_ops import EXTENSION, NativeExtension
+
+    flags = list(EXTENSION.cflags)
+    if variant == "portable":
+        flags.append("-DSPECSERVE_PORTABLE")
+    else:
+        cpu = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
+        if " avx512f" not in cpu or " avx2" not in cpu:
+            pytest.skip("the AVX2 path differs from this build's only on an AVX-512 host")
+        flags += ["-mno-avx512f"]
+    other = NativeExtension(f"specserve_cpu_layer_ops_{variant}", EXTENSION.source, flags, f"the {variant} build").load()
+    for head_dim in (64, 32):
+        mine, theirs = row_identity_outputs(ops, head_dim), row_identity_outputs(other, head_dim)
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), (variant, head_dim, name)
 
 
 @needs_kernels
@@ -173,14 +213,17 @@ def load_tiny(folder, monkeypatch, choice):
 
 
 @needs_kernels
-def test_a_model_through_the_kernels_matches_the_eager_model(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("folder", ["tiny_model_dir", "tiny_llama_dir"])  # tied head + q/k/v biases; untied
+def test_a_model_through_the_kernels_matches_the_eager_model(folder, request, monkeypatch):
     from specserve.engine.model_runner import SeqInput
 
     logits = {}
     for choice in ("torch", "native"):
-        llm = load_tiny(tiny_model_dir, monkeypatch, choice)
+        llm = load_tiny(request.getfixturevalue(folder), monkeypatch, choice)
         t = llm.engine.target
         assert t.model.layer_backend == choice and (t.model.cpu_layer_ops is not None) == (choice == "native")
+        if choice == "native":
+            assert t.runner.verify_by_row is False  # rows are independent by construction: no SDPA probe
         s = t.kv.allocate()
         prompt = [(5 * i + 1) % 300 for i in range(29)]
         with torch.inference_mode():
@@ -195,7 +238,7 @@ def test_the_choice_is_checked(tiny_model_dir, monkeypatch):
         load_tiny(tiny_model_dir, monkeypatch, "fast")
     llm = load_tiny(tiny_model_dir, monkeypatch, "torch")
     model = llm.engine.target.model
-    assert model.cpu_layer_ops is None and llm.engine.target.runner.verify_by_row in (True, False)
+    assert model.cpu_layer_ops is None
     model.to(torch.float64)
     assert cpu_layer_ops.supports(model) == "not float32"
     with pytest.raises(RuntimeError, match="cannot run this model: not float32"):
