@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from specserve.config import ConfigError
+
 
 def _cpu_flags() -> str:
     try:
@@ -45,6 +47,12 @@ def _ninja_on_path() -> None:
     except ImportError:
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+class NativeUnavailableError(ConfigError, RuntimeError):
+    """A native kernel that was asked for by name (`--cpu-linear panel`, `SPECSERVE_CPU_LAYER_KERNELS=native`)
+    cannot be used here: it cannot be built, or it does not support the model. A ConfigError, so the CLI
+    prints one line; a RuntimeError, as the build failures it wraps."""
 
 
 class NativeExtension:

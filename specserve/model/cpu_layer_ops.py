@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from specserve.native import NativeExtension, native_cflags
+from specserve.native import NativeExtension, NativeUnavailableError, native_cflags
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
@@ -82,7 +82,8 @@ def select_layer_kernels(model: torch.nn.Module, choice: str | None = None) -> s
 
     Raises:
         ValueError: an unknown choice.
-        RuntimeError: "native" was asked for and the model is not supported or the kernels cannot be built.
+        NativeUnavailableError: "native" was asked for and the model is not supported or the kernels cannot be
+            built (a ConfigError and a RuntimeError).
     """
     choice = (choice if choice is not None else os.environ.get(ENV, "auto")).strip().lower() or "auto"
     if choice not in CHOICES:
@@ -93,14 +94,15 @@ def select_layer_kernels(model: torch.nn.Module, choice: str | None = None) -> s
     reason = supports(model)
     if reason is not None:
         if choice == "native":
-            raise RuntimeError(f"the fused CPU layer kernels cannot run this model: {reason}")
+            raise NativeUnavailableError(f"the fused CPU layer kernels cannot run this model: {reason} "
+                                         f"({ENV}=native; auto would use the eager ops)")
         logger.debug("eager layer ops: %s", reason)
         return "torch"
     try:
         ops = load_kernels()
     except RuntimeError as e:
         if choice == "native":
-            raise
+            raise NativeUnavailableError(f"{e} ({ENV}=native; auto would use the eager ops)") from e
         logger.warning("CPU layers use the eager ops instead of the fused kernels: %s", e)
         return "torch"
     rotary = model.model.rotary

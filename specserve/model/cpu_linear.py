@@ -35,6 +35,8 @@ import logging
 import torch
 from torch import nn
 
+from specserve.native import NativeUnavailableError
+
 logger = logging.getLogger(__name__)
 
 
@@ -147,7 +149,8 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
 
     Raises:
         ValueError: unknown choice.
-        RuntimeError: "panel" or "onednn" was asked for but cannot be used here.
+        NativeUnavailableError: "panel" or "onednn" was asked for but cannot be used here (a ConfigError, so
+            the CLI prints one line, and a RuntimeError).
     """
     if choice not in CPU_LINEAR_CHOICES:
         raise ValueError(f"cpu linear backend must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {choice!r}")
@@ -165,7 +168,7 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
             load_kernel()
         except RuntimeError as e:
             if choice == "panel":
-                raise
+                raise NativeUnavailableError(f"{e} (--cpu-linear panel)") from e
             logger.warning("CPU linear layers use oneDNN instead of the panel kernel: %s", e)
         else:
             _replace_linears(model, PanelLinear.from_linear)
@@ -184,6 +187,6 @@ def pack_linear_weights(model: nn.Module, choice: str = "auto") -> str:
         if choice == "auto":
             logger.warning("CPU linear layers stay on F.linear (MKL): %s", reason)
             return "torch"
-        raise RuntimeError(reason)
+        raise NativeUnavailableError(f"{reason} (--cpu-linear onednn)")
     _replace_linears(model, PackedLinear.from_linear)
     return "onednn"

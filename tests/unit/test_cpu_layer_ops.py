@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve.config import ConfigError
 from specserve.model import cpu_layer_ops
 from specserve.model.attention import AttentionMetadata, cached_attention
 from specserve.model.llama import RotaryEmbedding
@@ -241,7 +242,7 @@ def test_the_choice_is_checked(tiny_model_dir, monkeypatch):
     assert model.cpu_layer_ops is None
     model.to(torch.float64)
     assert cpu_layer_ops.supports(model) == "not float32"
-    with pytest.raises(RuntimeError, match="cannot run this model: not float32"):
+    with pytest.raises(ConfigError, match="cannot run this model: not float32"):  # the CLI prints it as one line
         cpu_layer_ops.select_layer_kernels(model, "native")
     assert cpu_layer_ops.select_layer_kernels(model, "auto") == "torch" and model.cpu_layer_ops is None
 
@@ -254,5 +255,5 @@ def test_auto_falls_back_to_the_eager_ops_when_the_kernels_cannot_be_built(tiny_
     llm = load_tiny(tiny_model_dir, monkeypatch, "auto")
     assert llm.engine.target.model.cpu_layer_ops is None and llm.engine.target.model.layer_backend == "torch"
     assert "eager ops instead of the fused kernels" in caplog.text
-    with pytest.raises(RuntimeError, match="could not be built"):
+    with pytest.raises(ConfigError, match="could not be built"):
         cpu_layer_ops.select_layer_kernels(llm.engine.target.model, "native")
