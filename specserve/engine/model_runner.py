@@ -157,7 +157,8 @@ class ModelRunner:
         if self.verify_by_row:  # verify blocks: every row sampled, after cached positions
             by_row = [q > 1 and nr == q and p0 > 0
                       for q, nr, p0 in zip(inp.query_lens, inp.num_rows, inp.start_positions)]
-        meta = AttentionMetadata.build(inp.slots, inp.start_positions, inp.query_lens, self.device, by_row)
+        meta = AttentionMetadata.build(inp.slots, inp.start_positions, inp.query_lens, self.device, by_row,
+                                       masks=getattr(self.model, "cpu_layer_ops", None) is None)
         logits = self.model(inp.input_ids, meta, self.kv, inp.logits_indices)
         for slot, start, q in zip(inp.slots, inp.start_positions, inp.query_lens):
             self.kv.extend(slot, start + q)

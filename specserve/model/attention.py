@@ -71,12 +71,14 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls, slots: list[int], start_positions: list[int], query_lens: list[int], device: torch.device,
-        by_row: list[bool] | None = None,
+        by_row: list[bool] | None = None, masks: bool = True,
     ) -> "AttentionMetadata":
         """Metadata for B sequences: sequence b writes `query_lens[b]` tokens at positions
         `start_positions[b]` ... into cache slot `slots[b]`; its tokens follow sequence b - 1's.
         Where `by_row[b]` is true, sequence b is attended one query row at a time (each row a
         one-token call over its own prefix, as a decode at that position; see the module docstring).
+        `masks=False` leaves every mask None, for attention that reads only `slots` and `positions` (the
+        fused CPU kernels, `specserve.model.cpu_layer_ops`).
 
         Raises:
             ValueError: a sequence with zero new tokens.
@@ -92,7 +94,7 @@ class AttentionMetadata:
                 t += q
                 continue
             mask = None
-            if q > 1 and p0 > 0:  # bottom-right causal: new token i sees positions <= p0 + i
+            if masks and q > 1 and p0 > 0:  # bottom-right causal: new token i sees positions <= p0 + i
                 mask = (torch.arange(p0 + q, device=device)[None, :]
                         <= torch.arange(p0, p0 + q, device=device)[:, None])[None, None]
             seqs.append(SeqAttention(t, t + q, slot, p0 + q, mask, q > 1 and p0 == 0))
