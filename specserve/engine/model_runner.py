@@ -136,7 +136,8 @@ class ModelRunner:
         # transformer config (a test's toy model) has no such attention to probe, and the fused CPU
         # kernels (specserve.model.cpu_layer_ops) attend every row on its own by construction
         cfg = getattr(model, "config", None)
-        self.verify_by_row = (cfg is not None and getattr(model, "cpu_layer_ops", None) is None
+        self.fused_cpu_layers = getattr(model, "cpu_layer_ops", None) is not None  # attention reads slots/positions only
+        self.verify_by_row = (cfg is not None and not self.fused_cpu_layers
                               and not sdpa_rows_match_decodes(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                               next(model.parameters()).dtype, device))
 
@@ -158,7 +159,7 @@ class ModelRunner:
             by_row = [q > 1 and nr == q and p0 > 0
                       for q, nr, p0 in zip(inp.query_lens, inp.num_rows, inp.start_positions)]
         meta = AttentionMetadata.build(inp.slots, inp.start_positions, inp.query_lens, self.device, by_row,
-                                       masks=getattr(self.model, "cpu_layer_ops", None) is None)
+                                       masks=not self.fused_cpu_layers)
         logits = self.model(inp.input_ids, meta, self.kv, inp.logits_indices)
         for slot, start, q in zip(inp.slots, inp.start_positions, inp.query_lens):
             self.kv.extend(slot, start + q)
