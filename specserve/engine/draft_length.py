@@ -89,6 +89,8 @@ MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
 EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per config is never retired (it probes)
 COSTLY_SHARE = 0.01  # drafting is costly when one request's proposer call takes >= 1% of the step
 OFFERED_WEIGHT = 0.3  # EMA weight of a request's newest proposal length (the draft its proposer offers)
+HOLD_SHARE = 0.1  # a decision that drafted holds its k for as many steps as keep it below ~10% of their time
+MAX_HOLD_STEPS = 8  # steps after such a decision that reuse its k, at most
 RETRY_EVERY = 16  # a retired request whose proposer offered nothing is tried again after this many re-checks
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
@@ -141,6 +143,11 @@ class AdaptiveK(ConfiguredK):
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
         self.decide_ms_per_request = 0.0  # EMA of such a decision's time per request it proposed for, ms
         self.rest_steps = 0  # plain steps left before the next decision
+        self.hold_steps = 0  # steps left that draft the last decision's k (see `_held_drafts`)
+        self.hold_ms = 0.0  # EMA of the host time of such a step (proposing and tracking), ms
+        self._held: dict[str, int] = {}  # request id -> k of the last decision that drafted
+        self._last_hold = 0  # the hold that decision set (steps)
+        self.check_ms_per_request = 0.0  # EMA of `_hopeless`'s re-check time per request checked, ms
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
     def add_request(self, req: Request) -> None:
@@ -166,7 +173,7 @@ class AdaptiveK(ConfiguredK):
         key = proposer_key(req.spec_config)
         num_tokens = max(num_seqs if num_tokens is None else num_tokens, num_seqs)
         step = self.step_cost.step_ms(num_tokens, num_seqs)
-        if self.propose_ms.get(key, 0.0) < COSTLY_SHARE * step:
+        if not self._costly(key, step):
             return True  # drafting is cheap (or not measured yet): nothing to save
         self._checked.add(rid)
         k_cap = self._optimistic_k(req, max(req.spec_config.k_for_batch_size(num_seqs), 1))
@@ -213,9 +220,23 @@ class AdaptiveK(ConfiguredK):
         mine = [asks[i] for i in idx]
         if self.rest_steps > 0:
             self.rest_steps -= 1
+            by_config: dict[Any, list[Request]] = {}
             for r, _ in mine:  # a plain decode step for each (out[i] stays empty)
-                self._count_k(r, 0)
+                by_config.setdefault(r.spec_config, []).append(r)
+            for rs in by_config.values():
+                self._count_k(rs[0], 0, len(rs))
             return out
+        if self.hold_steps > 0:  # a request that joined meanwhile decodes plainly until the next decision
+            self.hold_steps -= 1
+            t0 = time.perf_counter()
+            props = self._held_drafts(mine, propose)
+            ms = 1000 * (time.perf_counter() - t0)
+            self.hold_ms = ms if not self.hold_ms else 0.9 * self.hold_ms + 0.1 * ms
+            self._decide_ms_step += ms
+            for i, p in zip(idx, props):
+                out[i] = p
+            return out
+        self.hold_steps = 0
         t0 = time.perf_counter()
         props, proposed = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
@@ -230,8 +251,32 @@ class AdaptiveK(ConfiguredK):
         if not any(p.token_ids for p in props):
             plain_ms = self.step_cost.step_ms(num_other_tokens + len(mine), num_other_seqs + len(mine))
             self.rest_steps = min(MAX_REST_STEPS, int(self.decide_ms / max(REST_SHARE * plain_ms, 1e-9)))
+        else:  # hold the chosen k for the next steps, as many as keep the decision below HOLD_SHARE of them
+            step = self.last_choice.step_ms if self.last_choice is not None else 0.0
+            self.hold_steps = self._last_hold = min(MAX_HOLD_STEPS, int(ms / max(HOLD_SHARE * step, 1e-9)))
+            self._held = {r.request_id: len(p.token_ids) for (r, _), p in zip(mine, props)}
         for i, p in zip(idx, props):
             out[i] = p
+        return out
+
+    def _held_drafts(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn) -> list[Proposal]:
+        """A step inside a hold: each request drafts the k of the last decision (at most its cap now);
+        k = 0 requests are not proposed for. Drafts are recorded at the length the proposer offered, as
+        in a decision, so the estimates keep learning."""
+        out = [Proposal([])] * len(asks)
+        todo = [i for i, (r, cap) in enumerate(asks) if self._held.get(r.request_id, 0) > 0]
+        for i, p in zip(todo, propose([asks[i] for i in todo]) if todo else ()):
+            r, cap = asks[i]
+            k = min(self._held[r.request_id], cap)
+            self._note_offered(r, min(len(p.token_ids), cap))
+            self.tracker.add_draft(r.request_id, len(r.all_token_ids), p.token_ids[:cap], p.match_len, p.confidence)
+            self._count_k(r, min(k, len(p.token_ids)))
+            if p.token_ids:
+                out[i] = Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
+                                  p.match_len, p.confidence[:k] if p.confidence else None)
+        for r, _ in asks:
+            if self._held.get(r.request_id, 0) == 0:
+                self._count_k(r, 0)
         return out
 
     def _unretire(self, rid: str) -> None:
@@ -257,15 +302,34 @@ class AdaptiveK(ConfiguredK):
         offered = self._offered.get(r.request_id, self._offered_cfg.get(r.spec_config))
         return cap if offered is None else min(cap, round(offered))
 
+    @property
+    def drafting_step_ms(self) -> float:
+        """Host time per step that drafting costs (ms): a decision that proposed, and the steps of the
+        hold that follows it, averaged over that cycle (the decision's time alone before any hold)."""
+        h = self._last_hold
+        if not h or not self.hold_ms:
+            return self.draft_decide_ms
+        return (self.draft_decide_ms + h * self.hold_ms) / (h + 1)
+
+    def _costly(self, key: Any, step_ms: float) -> bool:
+        """Whether proposing for one request of proposer `key` costs enough to be worth skipping: at
+        least COSTLY_SHARE of the step, and more than checking whether to skip it (the optimistic
+        re-check of `_hopeless`, measured per request; a check that costs more than the proposer call
+        it may save is not made)."""
+        ms = self.propose_ms.get(key, 0.0)
+        return ms >= COSTLY_SHARE * step_ms and ms > self.check_ms_per_request
+
     def take_decide_ms(self) -> float:
         """ms spent deciding (proposing for adaptive requests included) since the last call; resets it."""
         ms, self._decide_ms_step = self._decide_ms_step, 0.0
         return ms
 
-    def _count_k(self, r: Request, k: int) -> None:
+    def _count_k(self, r: Request, k: int, n: int = 1) -> None:
+        """Count `n` choices of k for `r`'s config (the `chosen_k` histogram of /metrics)."""
         counts = self.chosen_k[r.spec_config]
-        counts += [0] * (k + 1 - len(counts))
-        counts[k] += 1
+        if k >= len(counts):
+            counts += [0] * (k + 1 - len(counts))
+        counts[k] += n
 
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
                   other_seqs: int) -> tuple[list[Proposal], int]:
@@ -273,9 +337,11 @@ class AdaptiveK(ConfiguredK):
         a free proposer was called for (if any, the decision's time counts as the price of drafting)."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
+        by_config: dict[Any, list[int]] = defaultdict(list)
         for i, (r, _cap) in enumerate(asks):
-            prop = self.proposer_of(r.spec_config)
-            (costly if hasattr(prop, "draft_step_cost") else free)[proposer_key(r.spec_config)].append(i)
+            by_config[r.spec_config].append(i)
+        for cfg, group in by_config.items():
+            (costly if hasattr(self.proposer_of(cfg), "draft_step_cost") else free)[proposer_key(cfg)].extend(group)
         skip = self._hopeless(asks, free, other_tokens, other_seqs)
         full: dict[int, Proposal] = {i: Proposal([]) for i in skip}
         for key, all_idx in free.items():
@@ -313,7 +379,7 @@ class AdaptiveK(ConfiguredK):
         choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
                                       num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
                                       draft_token_ms=self.step_cost.draft_overhead_ms,
-                                      speculate_ms=self.draft_decide_ms)
+                                      speculate_ms=self.drafting_step_ms)
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -346,7 +412,7 @@ class AdaptiveK(ConfiguredK):
         if not idx:
             return set()
         step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
-        costly_keys = {k for k, group in free.items() if self.propose_ms.get(k, 0.0) >= COSTLY_SHARE * step}
+        costly_keys = {k for k in free if self._costly(k, step)}
         if self._retired:  # drafting that became cheap (e.g. a refreshed step cost) retires nobody
             for k, group in free.items():
                 if k not in costly_keys:
@@ -354,6 +420,14 @@ class AdaptiveK(ConfiguredK):
         idx = [i for i in idx if proposer_key(asks[i][0].spec_config) in costly_keys]
         if not idx:
             return set()
+        t0 = time.perf_counter()
+        out = self._check_hopeless(asks, idx, other_tokens, other_seqs)
+        per = 1000 * (time.perf_counter() - t0) / len(idx)
+        self.check_ms_per_request = per if not self.check_ms_per_request else 0.9 * self.check_ms_per_request + 0.1 * per
+        return out
+
+    def _check_hopeless(self, asks, idx: list[int], other_tokens: int, other_seqs: int) -> set[int]:
+        """`_hopeless` for the requests `idx` of costly proposers: age, re-check, retire or skip."""
         for i in idx:  # a retired request's own evidence ages at every re-check (towards the prior)
             r = asks[i][0]
             if r.request_id in self._retired:

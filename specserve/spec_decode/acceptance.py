@@ -277,15 +277,17 @@ class AcceptanceTracker:
         """`est` with each position shifted by its confidence bucket's calibration."""
         if match_len is None and confidence is None:
             return est
+        shifts = self._memo.get(("shift", st.proposer_key))  # bucket -> shift, until the next observation
+        if shifts is None:
+            shifts = self._memo[("shift", st.proposer_key)] = {}
         cal = self._calibration[st.proposer_key]
         out = []
         for j, a in enumerate(est):
             c = confidence[j] if confidence is not None and j < len(confidence) else None
             bucket = confidence_bucket(match_len, c)
-            key = ("shift", st.proposer_key, bucket)
-            shift = self._memo.get(key)
+            shift = shifts.get(bucket)
             if shift is None:
-                shift = self._memo[key] = cal.shift(bucket)
+                shift = shifts[bucket] = cal.shift(bucket)
             out.append(_sigmoid(_logit(a) + shift) if shift else a)
         return out
 
@@ -296,12 +298,24 @@ class AcceptanceTracker:
         st = self._requests.get(request_id)
         if st is None or not tokens:
             return
-        buckets = [confidence_bucket(match_len, confidence[j] if confidence is not None and j < len(confidence) else None)
-                   for j in range(len(tokens))]
-        # what the population model (monotone prior and calibration, not the request's own counts) predicts
-        predicted = self._calibrated(st, self.monotone_prior(st.config_key, st.proposer_key, len(tokens)),
-                                     match_len, confidence)
+        if confidence is None:  # one bucket per draft: the buckets and the prediction depend on (L, match_len) only
+            key = ("predicted", st.config_key, st.proposer_key, len(tokens), match_len)
+            memo = self._memo.get(key)
+            if memo is None:
+                memo = self._memo[key] = self._population(st, len(tokens), match_len, None)
+            buckets, predicted = memo
+        else:
+            buckets, predicted = self._population(st, len(tokens), match_len, confidence)
         st.pending.append(_Pending(start, list(tokens), buckets, predicted))
+
+    def _population(self, st: _RequestState, n: int, match_len: int | None,
+                    confidence: Sequence[float] | None) -> tuple[list, list[float]]:
+        """The calibration buckets of a draft of n tokens, and what the population model (monotone prior
+        and calibration, not the request's own counts) predicts for each of its tokens."""
+        buckets = [confidence_bucket(match_len, confidence[j] if confidence is not None and j < len(confidence) else None)
+                   for j in range(n)]
+        predicted = self._calibrated(st, self.monotone_prior(st.config_key, st.proposer_key, n), match_len, confidence)
+        return buckets, predicted
 
     def on_commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request's token ids after a commit: record every draft position whose outcome is now

@@ -32,6 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
+import numpy as np
+
+
+NUMPY_MIN_INCREMENTS = 64  # above this many increments without drafting groups, numpy is faster than the loop
+
 
 @dataclass
 class DraftOption:
@@ -115,6 +120,8 @@ def choose_draft_lengths(
     base_tokens = num_other_tokens + n
     seqs = num_other_seqs + n
     fair = objective == "fair"
+    if all(o.draft_group is None for o in options) and sum(len(o.acceptance) for o in options) > NUMPY_MIN_INCREMENTS:
+        return _choose_free(options, step_ms, base_tokens, seqs, fair, min_gain, draft_token_ms, speculate_ms)
 
     # increments: (objective gain, expected-token gain, option index, depth j); both shrink with j per option
     incs: list[tuple[float, float, int, int]] = []
@@ -161,3 +168,42 @@ def choose_draft_lengths(
             if v > best.value + 1e-12 and v >= threshold:
                 best = Choice(list(ks), v, cost, n + tokens)
     return best
+
+
+
+def _choose_free(options: Sequence[DraftOption], step_ms: Callable[[int, int], float], base_tokens: int, seqs: int,
+                 fair: bool, min_gain: float, draft_token_ms: float, speculate_ms: float) -> Choice:
+    """`choose_draft_lengths` when no option has a drafting cost (ngram, suffix), in numpy: the same
+    increments in the same order (a stable sort of each option's depths, row by row), the objective
+    of the first S of them for every S at once, and the smallest S within 1e-12 of the best that beats
+    k = 0 for everyone (by more than 1e-12) and the min_gain threshold."""
+    n = len(options)
+    lens = np.fromiter((len(o.acceptance) for o in options), dtype=np.int64, count=n)
+    width = int(lens.max()) if n else 0
+    acc = np.zeros((n, max(width, 1)))
+    for i, o in enumerate(options):
+        acc[i, : lens[i]] = o.acceptance
+    np.clip(acc, 0.0, 1.0, out=acc)
+    p = np.cumprod(acc, axis=1)  # p_j = a_1 ... a_j: the expected-token gain of depth j
+    valid = np.arange(acc.shape[1]) < lens[:, None]
+    gain = np.log1p(p / (1.0 + np.cumsum(p, axis=1) - p)) if fair else p  # log(E(j) / E(j - 1))
+    rows = np.broadcast_to(np.arange(n)[:, None], acc.shape)[valid]
+    gain, p = gain[valid], p[valid]
+    order = np.argsort(-gain, kind="stable")
+    total = len(order)
+    costs = np.fromiter((step_ms(base_tokens + t, seqs) for t in range(total + 1)), dtype=np.float64, count=total + 1)
+    costs += draft_token_ms * np.arange(total + 1)
+    costs[1:] += speculate_ms
+    g = np.concatenate(([0.0], np.cumsum(gain[order])))
+    tok = np.concatenate(([0.0], np.cumsum(p[order])))
+    v = g - seqs * np.log(costs) if fair else (n + tok) / costs
+    base = float(v[0])
+    threshold = base + (seqs * math.log1p(min_gain) if fair else base * min_gain)
+    ok = (v > base + 1e-12) & (v >= threshold)
+    ok[0] = False
+    if not ok.any():
+        return Choice([0] * n, base, float(costs[0]), float(n))
+    top = v[ok].max()
+    s = int(np.flatnonzero(ok & (v >= top - 1e-12))[0])  # the first s increments
+    ks = np.bincount(rows[order[:s]], minlength=n).tolist()
+    return Choice(ks, float(v[s]), float(costs[s]), n + float(tok[s]))

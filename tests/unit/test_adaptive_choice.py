@@ -167,3 +167,34 @@ def test_speculate_ms_is_a_fixed_price_of_any_drafts():
     # on a CPU step of 100+ ms a 1 ms decision changes nothing
     assert choose_draft_lengths([DraftOption([0.9] * 8)], cpu_cost, speculate_ms=1.0).ks == \
         choose_draft_lengths([DraftOption([0.9] * 8)], cpu_cost).ks
+
+
+@pytest.mark.parametrize("objective", ["fair", "throughput"])
+def test_numpy_path_chooses_as_the_loop(objective, monkeypatch):
+    """Many increments without drafting groups go through numpy (`_choose_free`); it makes the loop's
+    choice (same k per option, value, step cost and expected tokens) on random batches, also with
+    acceptances of 0 and 1, a min_gain threshold and a drafting charge."""
+    import random
+
+    import specserve.spec_decode.adaptive as ad
+
+    rng = random.Random(7)
+    for trial in range(300):
+        n = rng.randint(1, 16)
+        opts = [ad.DraftOption([rng.choice([0.0, 1.0, rng.random(), rng.uniform(0.6, 1.0)])
+                                for _ in range(rng.randint(1, 8))]) for _ in range(n)]
+        base = rng.uniform(0.5, 2.0)
+
+        def step(t, b, base=base):
+            return base + 0.004 * t + 0.01 * b
+
+        kw = dict(num_other_tokens=rng.randint(0, 8), num_other_seqs=rng.randint(0, 4), objective=objective,
+                  min_gain=rng.choice([0.0, 0.05]), draft_token_ms=rng.choice([0.0, 0.02]),
+                  speculate_ms=rng.choice([0.0, 0.3, 1.0]))
+        monkeypatch.setattr(ad, "NUMPY_MIN_INCREMENTS", 0)
+        fast = ad.choose_draft_lengths(opts, step, **kw)
+        monkeypatch.setattr(ad, "NUMPY_MIN_INCREMENTS", 10**9)
+        loop = ad.choose_draft_lengths(opts, step, **kw)
+        assert fast.ks == loop.ks, trial
+        assert fast.value == pytest.approx(loop.value, abs=1e-9)
+        assert fast.step_ms == pytest.approx(loop.step_ms) and fast.expected_tokens == pytest.approx(loop.expected_tokens)

@@ -104,6 +104,7 @@ def test_hopeless_requests_skip_a_costly_proposer_but_probe(monkeypatch):
     # rest steps follow the decision's wall time (5 ms here, more on a loaded machine): off, so that
     # this test sees only the probing
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
+    monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
     prop = Scripted([9] * 8, delay_ms=5.0)  # 5 ms per request against a ~100 ms step: matters (>= 1%)
     ad = AdaptiveK(FLAT, lambda c: prop)
@@ -211,6 +212,7 @@ def test_a_decision_dearer_than_its_gain_stops_drafting(monkeypatch):
     ~3 ms lose to 1 token for 1 ms) and the schedule stops drafting. With free proposing the same
     acceptance keeps drafting (2 tokens for ~1 ms)."""
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # no rest steps: every step decides
+    monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     gpu = StepCostModel(list(range(1, 17)), [1.0 + 0.001 * t for t in range(16)])
     cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
     for delay, drafts_later in ((2.0, False), (0.0, True)):
@@ -234,6 +236,7 @@ def retired_batch(monkeypatch):
     from specserve.engine.draft_length import EXPLORE_EVERY
 
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
+    monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
     prop = Scripted([9] * 8, delay_ms=0.1, clock=fake_time(monkeypatch))
@@ -299,6 +302,7 @@ def test_one_slow_proposer_call_does_not_make_drafting_costly(monkeypatch):
     of recent calls (from the third on), so after two fast ones drafting is cheap against a 100 ms step
     and nothing is skipped or retired."""
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
+    monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
     prop = Scripted([9] * 8, delay_ms=20.0)
     ad = AdaptiveK(FLAT, lambda c: prop)
@@ -365,6 +369,7 @@ def test_a_drafting_decision_measures_its_time_per_request_proposed_for(monkeypa
     with a proposer taking 2 ms each (a fake clock: nothing else takes time) give 2 ms per request of
     the whole decision's 8 ms."""
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
+    monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
     prop = Scripted([7] * 8, delay_ms=2.0, clock=fake_time(monkeypatch))
     ad = AdaptiveK(FLAT, lambda c: prop)
@@ -383,6 +388,7 @@ def test_a_request_whose_proposer_offers_nothing_is_retired_despite_a_high_prior
     kept, and ingested, on the prior's promise of drafts it never gets; it is tried again after
     RETRY_EVERY re-checks."""
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
+    monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
 
@@ -404,3 +410,80 @@ def test_a_request_whose_proposer_offers_nothing_is_retired_despite_a_high_prior
     assert all(("e", 8) in c for c in prop.calls)  # the explorer drafts every step
     retried = sum(("r", 8) in c for c in prop.calls[4:])  # from the first costly decision on
     assert 1 <= retried <= 3  # tried again every RETRY_EVERY re-checks, not every step
+
+
+def test_a_decision_that_drafts_holds_its_k(monkeypatch):
+    """A GPU-like step (1 ms) where a decision costs 0.4 ms (the fake clock: proposing takes 0.1 ms per
+    request, nothing else takes time): a decision that drafts holds its k for int(0.4 / (HOLD_SHARE x
+    ~1 ms)) = 3 steps. Those steps make no choice, propose only for the requests held with k > 0, cut
+    their drafts to the held k and record them (the estimates keep learning); a request that joins
+    during the hold decodes plainly until the next decision, which comes when the hold ends. The price
+    of drafting is then the average host time over the decision and its hold."""
+    import specserve.engine.draft_length as dl
+
+    monkeypatch.setattr(dl, "REST_SHARE", 1e9)
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    cfg = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([7] * 4, delay_ms=0.1, clock=fake_time(monkeypatch))
+    ad = AdaptiveK(gpu, lambda c: prop)
+    choices = []
+    real_choose = dl.choose_draft_lengths
+    monkeypatch.setattr(dl, "choose_draft_lengths", lambda *a, **k: choices.append(1) or real_choose(*a, **k))
+    rs = [req(f"r{i}", cfg) for i in range(4)]
+    for r in rs:
+        ad.add_request(r)
+    first = ad.draft([(r, 4) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+    held = [len(p.token_ids) for p in first]
+    assert any(held) and ad.hold_steps == 3 and len(choices) == 1
+    for r in rs:
+        commit(ad, r, [7] * 5)
+    late = req("late", cfg)
+    ad.add_request(late)
+    pending = len(ad.tracker._requests["r0"].pending)
+    for _ in range(3):
+        calls = len(prop.calls)
+        props = ad.draft([(r, 3) for r in rs] + [(late, 3)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        assert [len(p.token_ids) for p in props] == [min(k, 3) for k in held] + [0]
+        assert [rid for rid, _ in prop.calls[calls]] == [r.request_id for r, k in zip(rs, held) if k]
+        for r in rs:
+            commit(ad, r, [7] * 4)
+    assert len(choices) == 1 and ad.hold_steps == 0
+    assert len(ad.tracker._requests["r0"].pending) + 3 > pending  # hold drafts were recorded (and resolved)
+    assert ad.drafting_step_ms == pytest.approx((ad.draft_decide_ms + 3 * ad.hold_ms) / 4)
+    ad.draft([(r, 3) for r in rs] + [(late, 3)], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert len(choices) == 2 and ("late", 3) in prop.calls[-1]  # the hold is over: a decision, the newcomer in it
+
+
+def test_holds_never_happen_where_a_decision_is_cheap(monkeypatch):
+    """On a CPU-like step (100 ms) a decision (0.4 ms here) is far below HOLD_SHARE of a step: every
+    step decides, as before holds existed."""
+    cfg = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([7] * 4, delay_ms=0.1, clock=fake_time(monkeypatch))
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(4)]
+    for r in rs:
+        ad.add_request(r)
+    for _ in range(5):
+        ad.draft([(r, 4) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+        assert ad.hold_steps == 0 and ad.rest_steps == 0
+        for r in rs:
+            commit(ad, r, [7] * 5)
+    assert len(prop.calls) == 5
+
+
+def test_a_recheck_dearer_than_the_proposer_is_not_made():
+    """Skipping the proposer for hopeless requests (`_hopeless`) needs a re-check per request; it is made
+    only while a proposer call costs both COSTLY_SHARE of the step and more than that re-check."""
+    from specserve.spec_decode import proposer_key
+
+    cfg = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
+    ad = AdaptiveK(FLAT, lambda c: Scripted([7]))
+    key = proposer_key(cfg)
+    assert not ad._costly(key, 1.0)  # not measured yet: cheap
+    ad.propose_ms[key] = 0.05
+    assert ad._costly(key, 1.0)  # 5% of a 1 ms step, no re-check measured yet
+    assert not ad._costly(key, 10.0)  # 0.5% of a 10 ms step
+    ad.check_ms_per_request = 0.2
+    assert not ad._costly(key, 1.0)  # the re-check costs more than the call it would save
+    ad.check_ms_per_request = 0.01
+    assert ad._costly(key, 1.0)

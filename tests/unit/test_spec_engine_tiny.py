@@ -188,7 +188,7 @@ def test_adaptive_schedule_is_lossless(llm, base, tiny_model_dir, other_tiny_dir
 def random_k(monkeypatch):
     """Replace the adaptive choice with a random k per request and step (0 included), made in every
     step whatever the measured step costs on this machine: no rest after a "no drafts" choice, and
-    drafting counts as cheap, so no request is retired (a test of retiring sets COSTLY_SHARE itself)."""
+    drafting counts as cheap, so no request is retired (a test of retiring forces it itself)."""
     import random
 
     from specserve.engine import draft_length
@@ -196,6 +196,7 @@ def random_k(monkeypatch):
 
     rng = random.Random(3)
     monkeypatch.setattr(draft_length, "REST_SHARE", 1e9)
+    monkeypatch.setattr(draft_length, "HOLD_SHARE", 1e9)  # and no holds
     monkeypatch.setattr(draft_length, "COSTLY_SHARE", float("inf"))
 
     def choose(options, step_ms, **kw):
@@ -227,7 +228,7 @@ def test_any_k_sequence_gives_the_same_tokens(llm, base, tiny_model_dir, random_
 
 
 def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
-    """Where drafting counts as costly (forced here: COSTLY_SHARE 0, as on a fast GPU), the adaptive
+    """Where drafting counts as costly (forced here, as on a fast GPU with a slow proposer), the adaptive
     schedule retires requests (no suffix-tree work, `prepare` included, which runs between steps as on
     CUDA) and un-retires them (their next draft ingests what they missed); with random choices every
     step, both happen many times. Greedy tokens stay the target's and seeded sampled tokens those
@@ -235,8 +236,9 @@ def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
     from specserve.engine import draft_length
     from specserve.spec_decode import proposer_key
 
-    monkeypatch.setattr(draft_length, "COSTLY_SHARE", 0.0)
+    monkeypatch.setattr(draft_length.AdaptiveK, "_costly", lambda self, key, step_ms: True)
     monkeypatch.setattr(draft_length, "REST_SHARE", 1e9)  # every step decides: the call sequence is fixed
+    monkeypatch.setattr(draft_length, "HOLD_SHARE", 1e9)  # and no holds
     eng = llm.engine
     monkeypatch.setattr(eng, "overlap_host_work", True)
     cfg = adaptive(SpeculativeConfig("suffix", 6, suffix_decoding_max_cached_requests=7))
