@@ -4,7 +4,8 @@ schedule's GPU figures (issue 10), on the device, with the real model.
 For each profile (bench_gpu.py's configs) it runs `--requests` greedy requests 16 at a time, after one
 warm-up run, and records per step: wall ms, tokens and sequences in the plan, draft tokens verified,
 and the host time of scheduling (proposing and the adaptive decision included), of the proposer calls,
-of the adaptive decision, of the wait for the GPU's result (`to_host`) and of the commit. It prints per
+of the adaptive decision (or of a step holding the last decision's k), of the wait for the GPU's result
+(`to_host`) and of the commit. It prints per
 profile: tok/s, steps, mean ms per step by part, the wall ms of steps by number of draft tokens, and
 for adaptive profiles the step-cost model (modelled step ms at 16 sequences for 0..128 draft tokens,
 fitted host overhead and per-draft-token cost), the decisions taken (with and without drafts), rest
@@ -91,13 +92,14 @@ def instrument_adaptive(ad, log: StepLog) -> None:
     draft = ad.draft
 
     def wrapped(asks, propose, **kw):
-        resting = ad.rest_steps > 0
+        resting, holding = ad.rest_steps > 0, getattr(ad, "hold_steps", 0) > 0
         t0 = time.perf_counter()
         out = draft(asks, propose, **kw)
         log.add("adaptive_ms", 1e3 * (time.perf_counter() - t0))
         n_adaptive = sum(1 for r, _ in asks if r.spec_config.adaptive)
         if n_adaptive:
-            log.cur["decision"] = "rest" if resting else ("drafts" if any(p.token_ids for p in out) else "none")
+            log.cur["decision"] = ("rest" if resting else "hold" if holding
+                                   else "drafts" if any(p.token_ids for p in out) else "none")
         return out
 
     ad.draft = wrapped
@@ -135,7 +137,7 @@ def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
             decisions[r["decision"]] += 1
     if decisions:
         out["decisions"] = dict(decisions)
-        for kind in ("drafts", "none"):
+        for kind in ("drafts", "none", "hold"):
             ms = [r["adaptive_ms"] for r in rows if r.get("decision") == kind]
             if ms:
                 out[f"adaptive_ms_{kind}"] = round(statistics.median(ms), 3)
@@ -193,6 +195,8 @@ def main() -> None:
                                "overhead_ms": round(cm.overhead_ms, 4), "draft_overhead_ms": round(cm.draft_overhead_ms, 4)}
             s["chosen_k"] = list(ad.chosen_k.get(c, []))
             s["decide_ms_ema"] = round(ad.decide_ms, 3)
+            s["drafting_step_ms"] = round(getattr(ad, "drafting_step_ms", ad.draft_decide_ms), 3)
+            s["check_ms_per_request"] = round(getattr(ad, "check_ms_per_request", 0.0), 4)
             s["prior"] = [round(x, 3) for x in ad.tracker.config_summary(c, proposer_key(c), c.num_speculative_tokens)]
             s["propose_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in ad.propose_ms.items()}
         res["profiles"][n] = s
