@@ -215,6 +215,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--refresh-step-cost", action="store_true",
                    help="measure the target's step cost again instead of reading the cached measurement "
                         "(used by the adaptive schedule; see `specserve step-cost`)")
+    p.add_argument("--adaptive-objective", default="throughput", choices=["throughput", "fair"],
+                   help="what the adaptive schedule maximises each step: throughput (expected committed tokens "
+                        "per ms of the step, default) or fair (the sum of log per-request token rates: one "
+                        "request's drafts may not slow the others more than they gain)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_serve)
 

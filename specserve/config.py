@@ -46,6 +46,7 @@ KNOWN_UNSUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator
 
 
 SCHEDULES = ("constant", "adaptive")
+ADAPTIVE_OBJECTIVES = ("throughput", "fair")  # EngineConfig.adaptive_objective
 """Values of `num_speculative_tokens_schedule`."""
 
 
@@ -262,6 +263,11 @@ class EngineConfig:
             token-identical to the baseline in bf16 too (slower matmuls; see docs/gpu-notes.md).
         refresh_step_cost: measure the target's step cost again instead of reading the cached
             measurement (the adaptive schedule needs it; `specserve.engine.step_cost`).
+        adaptive_objective: what the adaptive schedule maximises each step over the whole batch
+            (`specserve.spec_decode.adaptive`): "throughput" (default; expected committed tokens per ms of
+            step time, issue 10's definition) or "fair" (the sum of log per-request token rates: a
+            request's drafts must not slow the others in its step more than they gain; stricter where
+            drafting has a fixed price, as on a GPU at 16 concurrent requests). Identical at batch size 1.
         cpu_threads: threads of the CPU forward, sampler and verifier; None = OMP_NUM_THREADS if set,
             else every CPU the process may run on (`specserve.engine.cpu_threads`). CPU device only.
         cpu_linear: how linear layers run on the CPU: "auto" (float32: the panel kernel,
@@ -294,6 +300,7 @@ class EngineConfig:
     enforce_eager: bool = False
     batch_invariant: bool = False
     refresh_step_cost: bool = False
+    adaptive_objective: str = "throughput"
     cpu_threads: int | None = None
     cpu_linear: str = "auto"
     enable_prefix_caching: bool = True
@@ -321,5 +328,8 @@ class EngineConfig:
                 or self.prefix_cache_recompute_tokens < 1):
             raise ConfigError("prefix_cache_recompute_tokens must be a positive integer, got "
                               f"{self.prefix_cache_recompute_tokens!r}")
+        if self.adaptive_objective not in ADAPTIVE_OBJECTIVES:
+            raise ConfigError(f"adaptive_objective must be one of {', '.join(ADAPTIVE_OBJECTIVES)}, got "
+                              f"{self.adaptive_objective!r}")
         if self.cpu_linear not in ("auto", "panel", "onednn", "torch"):
             raise ConfigError(f"cpu_linear must be auto, panel, onednn or torch, got {self.cpu_linear!r}")

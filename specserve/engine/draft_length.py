@@ -115,7 +115,7 @@ class AdaptiveK(ConfiguredK):
     """
 
     def __init__(self, step_cost: StepCostModel, proposer_of: Callable[[Any], Proposer], *,
-                 objective: str = "fair", min_gain: float = MIN_GAIN):
+                 objective: str = "throughput", min_gain: float = MIN_GAIN):
         self.step_cost = step_cost
         self.proposer_of = proposer_of
         self.objective = objective

@@ -210,7 +210,8 @@ class LLMEngine:
                                  max_seqs=min(self.config.max_num_seqs, 16),
                                  refresh=refresh or self.config.refresh_step_cost)
             if self.adaptive is None:
-                self.adaptive = AdaptiveK(cm, lambda cfg: self._proposers[proposer_key(cfg)])
+                self.adaptive = AdaptiveK(cm, lambda cfg: self._proposers[proposer_key(cfg)],
+                                          objective=self.config.adaptive_objective)
                 self.scheduler.k_policy = self.adaptive  # it gives other configs their configured k
             else:
                 self.adaptive.step_cost = cm

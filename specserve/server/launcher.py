@@ -70,6 +70,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=seed,
         enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
         refresh_step_cost=args.refresh_step_cost,
+        adaptive_objective=args.adaptive_objective,
         cpu_threads=args.cpu_threads,
         cpu_linear=args.cpu_linear,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -84,8 +85,8 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(AsyncEngine(engine, max_prompt_tokens=args.max_prompt_tokens), profile_set, settings)
     if engine.adaptive is not None:  # create_app prepared every profile: an adaptive one measured the step cost
         cm = engine.adaptive.step_cost
-        log.info("step cost of %s on %s (%s): %s", engine.model_name, engine.device, cm.meta.get("cache", "not cached"),
-                 cm.summary())
+        log.info("step cost of %s on %s (%s): %s; adaptive objective: %s", engine.model_name, engine.device,
+                 cm.meta.get("cache", "not cached"), cm.summary(), engine.adaptive.objective)
     log.info("model %s on %s (%s; linear layers: %s; layer ops: %s; prefix caching %s)", engine.model_name,
              engine.device, f"{engine.cpu_threads} CPU threads" if engine.cpu_threads else "CUDA",
              getattr(engine.target.model, "linear_backend", "torch"),

@@ -81,7 +81,7 @@ def choose_draft_lengths(
     *,
     num_other_tokens: int = 0,
     num_other_seqs: int = 0,
-    objective: str = "fair",
+    objective: str = "throughput",
     min_gain: float = 0.0,
     draft_token_ms: float = 0.0,
     speculate_ms: float = 0.0,

@@ -337,3 +337,17 @@ def test_prepare_in_the_gpu_window_changes_no_output(tiny_model_dir, monkeypatch
         got = llm.generate(PROMPTS, SamplingParams(**GREEDY), speculative_config=c)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want[c]]
         assert bool(seen) == (c is suffix)
+
+
+def test_adaptive_objective_reaches_the_schedule(tiny_model_dir):
+    """`EngineConfig.adaptive_objective` (serve's --adaptive-objective) is what the adaptive schedule
+    maximises: throughput by default, fair when asked; anything else is a ConfigError naming it."""
+    from specserve.config import ConfigError, EngineConfig
+
+    for objective in (None, "fair"):
+        kw = {} if objective is None else {"adaptive_objective": objective}
+        llm = LLM(str(tiny_model_dir), max_model_len=64, max_num_seqs=2, **kw)
+        llm.engine.prepare_speculative_config(adaptive(SpeculativeConfig("ngram", 4)))
+        assert llm.engine.adaptive.objective == (objective or "throughput")
+    with pytest.raises(ConfigError, match="adaptive_objective"):
+        EngineConfig(model="x", adaptive_objective="latency")
