@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4,6,8", help="static k of part B")
     ap.add_argument("--max-k", type=int, default=8, help="num_speculative_tokens of the adaptive profiles")
     ap.add_argument("--segments", default=",".join(SEGMENTS))
+    ap.add_argument("--adaptive-objective", default="throughput", choices=["throughput", "fair"],
+                    help="the server's --adaptive-objective")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="OMP_NUM_THREADS for the server (default: torch's own choice)")
     ap.add_argument("--sweep-check", action="store_true", help="also time the sweep goal and re-run it")
@@ -193,7 +195,8 @@ def main() -> None:
     empty.write_text(json.dumps({"profiles": {"baseline": None}}))
     server = ServerProcess(["--model", str(files.path), "--profiles", str(empty), "--allow-profile-override",
                             "--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(max(conc)),
-                            "--log-level", "warning"], work / "server.log")
+                            "--log-level", "warning", "--adaptive-objective", args.adaptive_objective],
+                           work / "server.log")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     t0 = time.perf_counter()
     server.start(900)
@@ -216,7 +219,8 @@ def main() -> None:
                               f"server threads {args.torch_threads or 'torch default'}, "
                               f"greedy, max_tokens {args.max_tokens}, {args.num_prompts} prompts per run, "
                               f"concurrency {args.concurrency}, {args.repeats} repeats, order rotated per run, "
-                              "fresh prompts per repeat and concurrency, through `specserve serve`",
+                              "fresh prompts per repeat and concurrency, through `specserve serve`, "
+                              f"adaptive objective {args.adaptive_objective}",
                 "profiles": all_profiles, "summary": summarize(rows),
                 "recommendations": recommend(rows, all_profiles, 0.02), "rows": rows, "runs": runs,
                 "wall_s": round(time.perf_counter() - t0, 1)})
