@@ -33,7 +33,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 import numpy as np
@@ -314,3 +314,18 @@ async def run_load(client: httpx.AsyncClient, base_url: str, samples: list[Sampl
         offs = arrival_offsets(len(samples), request_rate or float("inf"), burstiness, seed)
         await asyncio.gather(*(timed(i, at) for i, at in enumerate(offs)))
     return records, time.perf_counter() - t0
+
+
+async def prime_prompts(client: httpx.AsyncClient, base_url: str, samples: list[Sample], model: str, *,
+                        concurrency: int, **send_kw) -> int:
+    """Send every sample once with max_tokens 1 (untimed) before a measured run of the same samples, so
+    that every profile of a comparison meets the server's prefix cache in the same state: the prompts'
+    keys/values cached. Without it the first profile to send a prompt pays its whole prefill, and at
+    concurrency > 1 that prefill also slows the steps of the requests decoding beside it (on the 2-core
+    CPU, 4 tool-call requests of ~770 prompt tokens at concurrency 4 took 14.4 s for the profile that
+    sent them first against 5.4 s for the baseline after it: 0.66x of the baseline's TPOT, from the
+    order alone). A prefix cache, not a response cache: every output token is still computed.
+    Returns the number of priming requests that failed (their prompts may be cold)."""
+    ones = [replace(s, max_tokens=1) for s in samples]
+    records, _ = await run_load(client, base_url, ones, model, concurrency=max(1, min(concurrency, len(ones))), **send_kw)
+    return sum(1 for r in records if r.error)

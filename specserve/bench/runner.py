@@ -4,7 +4,9 @@ What it does: loads the samples once (the same requests, in the same order, for 
 load; `output_len` fixes every request's max_tokens), warms the server up before each profile's runs
 with requests that share none of the measured prompts (`datasets.warmup_samples`; excluded from the
 results; a failed warm-up request, or one whose response names another profile or, unless allowed,
-none, stops the run with `WarmupError`), runs each (profile, load, repeat), computes overall and
+none, stops the run with `WarmupError`), primes the prefix cache with the run's own prompts before
+every run (`client.prime_prompts`: each prompt once with max_tokens 1, untimed; so every profile and
+repeat meets the same cache state, and TTFT is that of cached prompts), runs each (profile, load, repeat), computes overall and
 per-segment metrics, reads acceptance from the per-response numbers (or from /metrics deltas, which
 are server-wide, when the server gives none), checks which profile each response named, aggregates
 repeats, compares every profile with the first one (the baseline) and lists what could mislead
@@ -96,6 +98,8 @@ def _send_kw(cfg: BenchConfig, profile) -> dict:
 
 
 async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) -> tuple[dict, list]:
+    prime_failed = await bclient.prime_prompts(cl, cfg.base_url, samples, model,
+                                               concurrency=load["concurrency"] or len(samples), **_send_kw(cfg, profile))
     before = await prom.scrape(cl, murl)
     records, wall = await bclient.run_load(
         cl, cfg.base_url, samples, model, concurrency=load["concurrency"], request_rate=load["request_rate"],
@@ -110,6 +114,7 @@ async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) ->
     check = checks.profile_check(records, profile)
     run = {"profile": profile or "default", "load": load["label"], "concurrency": load["concurrency"],
            "request_rate": _json_num(load["request_rate"]), "repeat": repeat, "wall_s": wall,
+           "prime_failed": prime_failed,
            "served_profiles": sorted({r.served_profile for r in records if r.served_profile}),
            "profile_check": check["status"], "profile_mismatches": check["mismatched"],
            "profile_unnamed": check["unnamed"], "overall": overall, "segments": _segment_metrics(records, cfg.slo),

@@ -13,7 +13,9 @@ Two ways to reach servers:
 What a sweep runs: for every repeat, segment and concurrency, every profile (the baseline first in the
 list, the order rotated from run to run so that machine noise hits every profile alike) sends the same
 requests of that segment alone (a homogeneous batch: the recommendation is for that workload at that
-concurrency), greedy, closed loop. Each (repeat, concurrency) draws its own prompts (seeded), so a
+concurrency), greedy, closed loop, each run after an untimed request per prompt with max_tokens 1
+(`client.prime_prompts`): every profile meets the prefix cache in the same state (the prompts cached),
+where the first profile to send a prompt would otherwise pay its prefill inside its TPOT. Each (repeat, concurrency) draws its own prompts (seeded), so a
 suffix tree never holds the answer of a prompt it is asked again; on one server each suffix profile also
 gets its own proposer (its `suffix_decoding_max_cached_requests` is lowered by a few, which only makes
 it a different proposer key), so one profile's outputs never feed another's tree. Metrics per run are
@@ -171,11 +173,14 @@ def _err(r: httpx.Response) -> str:
 async def _run_one(cl, cfg: SweepConfig, base_url: str, model: str, samples: list, profile: str | None,
                    concurrency: int, bar) -> dict:
     murl = prom.metrics_url(base_url)
+    prime_failed = await bclient.prime_prompts(cl, base_url, samples, model, concurrency=concurrency, profile=profile)
     before = await prom.scrape(cl, murl)
     records, wall = await bclient.run_load(cl, base_url, samples, model, concurrency=concurrency, profile=profile,
                                            on_done=(lambda _r: bar.update(1)) if bar else None)
     after = await prom.scrape(cl, murl)
     m = metrics.summarize(records, wall)
+    if prime_failed:
+        m["prime_failed"] = prime_failed
     if "acceptance_source" not in m:  # not a specserve server: acceptance from /metrics deltas, if any
         m.update(prom.acceptance_from_delta(prom.delta(before, after), profile))
     errors = [r.error for r in records if r.error]

@@ -132,8 +132,16 @@ def test_warmup_is_strict_and_never_sends_a_measured_prompt(tmp_path, capsys):
     bodies = server.config.app.state.bodies
     measured = {f"question {i}" for i in range(6)}
     warm = [b["prompt"] for b in bodies if b["prompt"] not in measured]
-    assert len(bodies) == 2 * (3 + 6) and len(warm) == 6  # 3 per profile, not the file's 6 lines
+    assert len(bodies) == 2 * (3 + 6 + 6) and len(warm) == 6  # 3 per profile, not the file's 6 lines
     assert js["warmup"]["per_profile"] == 3 and js["warmup"]["source"] == "short neutral prompts"
+    # before each measured run its own prompts go once with max_tokens 1 (the prefix cache primed alike
+    # for every profile), and are not measured: the runs' records are the 6 measured requests
+    runs = [b for b in bodies if b["prompt"] in measured]
+    for i in range(2):
+        primes, timed = runs[12 * i: 12 * i + 6], runs[12 * i + 6: 12 * i + 12]
+        assert {b["prompt"] for b in primes} == measured and all(b["max_tokens"] == 1 for b in primes)
+        assert {b["prompt"] for b in timed} == measured and all(b["max_tokens"] > 1 for b in timed)
+    assert all(r["prime_failed"] == 0 for r in js["runs"]) and js["num_requests"] == 12
 
 
 def test_e2e_ends_at_the_eos_chunk_with_no_text(tmp_path, capsys):
@@ -160,7 +168,9 @@ def test_ignore_eos_and_fixed_output_length(tmp_path, capsys):
         assert _bench(url, data, tmp_path / "o", "--output-len", "40", "--ignore-eos", "--max-tokens", "8") == 0
     js = _outputs(capsys, tmp_path / "o")[1]
     bodies = server.config.app.state.bodies
-    assert all(b["max_tokens"] == 40 and b["ignore_eos"] is True for b in bodies)
+    primes = [b for b in bodies if b["max_tokens"] == 1]  # the prefix cache primed before the run
+    assert len(primes) == 4 and all(b["ignore_eos"] is True for b in primes)
+    assert all(b["max_tokens"] == 40 and b["ignore_eos"] is True for b in bodies if b not in primes)
     assert js["groups"][0]["overall"]["output_tokens"] == 4 * 40 and js["warnings"] == []
     with mockserver.MockServer(eos=True, continuous_usage=True, honour_ignore_eos=False) as url:
         assert _bench(url, data, tmp_path / "n", "--output-len", "40", "--ignore-eos") == 0
