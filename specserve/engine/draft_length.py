@@ -31,8 +31,19 @@ everyone, since steps that do not speculate can rest without deciding. On the H2
 suffix decision that proposed took ~5 ms against a 1.5 ms plain step (`docs/benchmarks/
 gpu_adaptive_diag_run3.json`), which the forward-only cost had hidden; on a CPU (~1 ms against 100+ ms
 steps) it changes nothing.
+Holds: a decision that drafted holds its k for the next steps, as many as keep the decision under
+HOLD_SHARE (10%) of their time, at most MAX_HOLD_STEPS: those steps propose only for the requests held
+with k > 0, cut the drafts to the held k and record them in the tracker, without estimating or
+choosing (`_held_drafts`); a request that joins during a hold decodes plainly until the next decision.
+The price of drafting charged to the next decisions (`drafting_step_ms`) is the average host time
+over a decision and its hold. On the H200 at 16 concurrent a decision for 16 ngram requests took
+~0.6-1.1 ms against ~0.25 ms for a hold step (`docs/benchmarks/gpu_h200_c16_final.json`); on a CPU a
+decision is far below 10% of a step and nothing is held.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
+Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
+the step and more than the optimistic re-check of `_hopeless` per request (measured): a re-check that
+costs more than the call it may save is not made.
 Retiring: where drafting is costly (the 1% rule of step 1), a request whose optimistic choice is k = 0
 does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
 between steps (`wants_prepare` is False: a suffix tree does not ingest its prompt or its new tokens).
@@ -87,7 +98,7 @@ MIN_GAIN = 0.05  # speculate only when the expected gain over k = 0 is at least 
 REST_SHARE = 0.03  # deciding "no drafts" may cost at most ~3% of the time of the steps it covers
 MAX_REST_STEPS = 32  # plain steps in a row after such a decision, at most
 EXPLORE_EVERY = 8  # where drafting is costly, one request in 8 per config is never retired (it probes)
-COSTLY_SHARE = 0.01  # drafting is costly when one request's proposer call takes >= 1% of the step
+COSTLY_SHARE = 0.01  # drafting is costly when a proposer call takes >= 1% of the step (and more than the re-check)
 OFFERED_WEIGHT = 0.3  # EMA weight of a request's newest proposal length (the draft its proposer offers)
 HOLD_SHARE = 0.1  # a decision that drafted holds its k for as many steps as keep it below ~10% of their time
 MAX_HOLD_STEPS = 8  # steps after such a decision that reuse its k, at most

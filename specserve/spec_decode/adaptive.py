@@ -12,16 +12,19 @@ the drafting time D of proposers whose cost grows with k (a draft model: one dra
 position, over the requests drafting that deep). Each request's speed is E_i(k_i) / (C + D) tokens per
 ms, and every request in the step, speculating or not, waits for the same step.
 
-Objective: maximise sum_i log(E_i(k_i) / (C + D)) over the requests in the step (the geometric mean of
-the per-request token rates; at batch size 1 this is exactly "most expected tokens per ms"). Over a
-batch it does not let one request's long drafts slow down the others more than they gain, which
-plain tokens-per-ms (`objective="throughput"`, also provided) would allow.
+Objective: "throughput" (the default, issue 10's definition) maximises the expected committed tokens
+per ms of the step, sum_i E_i(k_i) / (C + D); "fair" maximises sum_i log(E_i(k_i) / (C + D)) over the
+requests in the step (the geometric mean of the per-request token rates), which does not let one
+request's long drafts slow down the others more than they gain. At batch size 1 both are exactly "most
+expected tokens per ms". Where any drafting has a fixed host price (on a fast GPU at 16 concurrent
+requests), fair charges it to every request in the step and drafts less (docs/adaptive-speculation.md).
 
 How: E_i is concave in k (its increments prod a_l shrink), so for any total S of drafts the best
 allocation takes the S largest increments over all requests (each request's increments in order);
 the objective is evaluated for every S and the best S kept, the smallest on ties (k = 0 for everyone
 included). Proposers with a drafting cost are handled by also trying each common depth cap m for
-them. O(m_max * N log N) for N = sum of the requests' k caps.
+them. O(m_max * N log N) for N = sum of the requests' k caps; without drafting groups and past
+NUMPY_MIN_INCREMENTS increments the same choice is computed with numpy (`_choose_free`).
 
 What it does not do: estimate acceptance (see `acceptance.py`) or measure costs (`specserve.engine.step_cost`).
 """
