@@ -15,11 +15,13 @@ with forward(T, B) interpolated from the H200's measured CUDA-graph forwards of 
 schedule's own clock is scaled by `--py-scale` too (the H200 machine's host ran the decision ~2.5x
 slower than the 2-core VM), so its measured decision costs are what it would measure there; the host
 defaults reproduce the device's plain steps (~1.8 ms) and its drafting-step costs. It prints one JSON
-line: tok/s, steps, draft tokens, the k histogram and the decisions at 16 sequences (rests, no-draft
-decisions, drafting steps). With `--py-scale 2.5` the schedule of session 13 replays at 0.99x of the
-baseline with 640 rest steps of 696 (the device: 0.97-1.04x, rest-dominated), static ngram at 1.34x
-(the device: 1.2-1.3x). What it does not model: the suffix proposer's between-step ingestion, prefill
-chunks mixed into decode steps (a constant per admitted request), the device's noise.
+line: tok/s, steps, draft tokens, the k histogram and, for an adaptive profile, its steps at 16
+sequences (rests, no-draft decisions, drafting steps and the median decision ms). With `--py-scale
+2.5` (session 14): static ngram 1.34x of the baseline (the device: 1.2-1.3x), adaptive ngram 1.22x
+with the throughput objective and 1.02x with fair (the device, side by side: 1.16x and 1.05x); the
+schedule as it was before session 14 replayed at 0.99x with 640 rest steps of 696 (the device:
+0.97-1.04x, rest-dominated). What it does not model: the suffix proposer's between-step ingestion,
+prefill chunks mixed into decode steps (a constant per admitted request), the device's noise.
 
     python benchmarks/adaptive_replay.py --profile baseline
     python benchmarks/adaptive_replay.py --profile ngram_adaptive --py-scale 2.5 [--set HOLD_SHARE=0.05] [--objective fair]
@@ -178,7 +180,8 @@ def replay(samples: list[dict], args) -> dict:
             "tokens": tokens, "draft_tokens": drafts_total, "ks": ks,
             "at_16_seqs": {"rest": sum(1 for d, _ in at16 if d == 0), "no_drafts": sum(1 for d, x in at16 if d and not x),
                            "drafting": sum(1 for _, x in at16 if x),
-                           "decision_ms_median": round(statistics.median([d for d, _ in at16 if d] or [0.0]), 3)}}
+                           "decision_ms_median": round(statistics.median([d for d, _ in at16 if d] or [0.0]), 3)}
+            if cfg is not None and cfg.adaptive else None}
 
 
 def main() -> None:
