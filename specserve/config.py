@@ -46,8 +46,9 @@ KNOWN_UNSUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator
 
 
 SCHEDULES = ("constant", "adaptive")
-ADAPTIVE_OBJECTIVES = ("throughput", "fair")  # EngineConfig.adaptive_objective
 """Values of `num_speculative_tokens_schedule`."""
+ADAPTIVE_OBJECTIVES = ("throughput", "fair")
+"""Values of `EngineConfig.adaptive_objective` (serve's --adaptive-objective)."""
 
 
 def parse_batch_size_table(entries: Any) -> tuple[tuple[int, int, int], ...]:

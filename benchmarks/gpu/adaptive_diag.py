@@ -196,7 +196,7 @@ def main() -> None:
             s["chosen_k"] = list(ad.chosen_k.get(c, []))
             s["decide_ms_ema"] = round(ad.decide_ms, 3)
             s["drafting_step_ms"] = round(getattr(ad, "drafting_step_ms", ad.draft_decide_ms), 3)
-            s["check_ms_per_request"] = round(getattr(ad, "check_ms_per_request", 0.0), 4)
+            s["check_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in getattr(ad, "check_ms", {}).items()}
             s["prior"] = [round(x, 3) for x in ad.tracker.config_summary(c, proposer_key(c), c.num_speculative_tokens)]
             s["propose_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in ad.propose_ms.items()}
         res["profiles"][n] = s

@@ -4,7 +4,8 @@ What it does: from a finished run (its runs, groups and per-request rows), lists
 numbers are not what their labels say: `specserve bench` exits 1 unless the user allowed them) and
 **warnings** (labels every output must carry), each `{"kind", "message"}`:
 - `failed`: measured requests that failed (a problem unless `--allow-errors`); `warmup_failed`:
-  warm-up requests that failed while `--allow-errors` let the run go on;
+  warm-up requests that failed while `--allow-errors` let the run go on; `prime_failed` (a warning):
+  requests that prime the prefix cache before a run (`client.prime_prompts`) failed;
 - `profile_unverified`: `--profile` was given but no response named the profile that served it (vLLM
   answers 200 to a `profile` field and an `x-specserve-profile` header and ignores both), so runs
   labelled with different profiles may be the same configuration (a problem unless
@@ -76,6 +77,11 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
     if warm_bad:
         add("warmup_failed", "warm-up requests failed (allowed by --allow-errors): "
                              + ", ".join(f"{n} for profile {p}" for p, n in warm_bad.items()), False)
+    prime_bad = [r for r in summary.get("runs", []) if r.get("prime_failed")]
+    if prime_bad:
+        add("prime_failed", "priming requests failed before "
+                            + ", ".join(f"{r['profile']} {r['load']} #{r['repeat']} ({r['prime_failed']})" for r in prime_bad)
+                            + ": those runs may have met a colder prefix cache than the others", False)
     mism = [g for g in groups if g.get("profile_check") == "mismatch"]
     if mism:
         add("profile_mismatch", f"PROFILE MISMATCH: responses named another profile than requested in "

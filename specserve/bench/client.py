@@ -316,6 +316,9 @@ async def run_load(client: httpx.AsyncClient, base_url: str, samples: list[Sampl
     return records, time.perf_counter() - t0
 
 
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")  # dropped when priming
+
+
 async def prime_prompts(client: httpx.AsyncClient, base_url: str, samples: list[Sample], model: str, *,
                         concurrency: int, **send_kw) -> int:
     """Send every sample once with max_tokens 1 (untimed) before a measured run of the same samples, so
@@ -324,8 +327,13 @@ async def prime_prompts(client: httpx.AsyncClient, base_url: str, samples: list[
     concurrency > 1 that prefill also slows the steps of the requests decoding beside it (on the 2-core
     CPU, 4 tool-call requests of ~770 prompt tokens at concurrency 4 took 14.4 s for the profile that
     sent them first against 5.4 s for the baseline after it: 0.66x of the baseline's TPOT, from the
-    order alone). A prefix cache, not a response cache: every output token is still computed.
-    Returns the number of priming requests that failed (their prompts may be cold)."""
-    ones = [replace(s, max_tokens=1) for s in samples]
+    order alone). A prefix cache, not a response cache: every output token is still computed. The
+    cache holds what the server's slots hold (specserve: one prompt per KV slot, `--max-num-seqs`), so
+    only a run of at most that many prompts meets all of them cached; a longer run meets the same
+    partly cached state for every profile, which keeps the comparison fair but its TTFT not that of
+    cached prompts. Length fields of a sample's `extra` (LENGTH_FIELDS) are dropped for the priming
+    request. Returns the number of priming requests that failed (their prompts may be cold)."""
+    ones = [replace(s, max_tokens=1, extra={k: v for k, v in s.extra.items() if k not in LENGTH_FIELDS})
+            for s in samples]
     records, _ = await run_load(client, base_url, ones, model, concurrency=max(1, min(concurrency, len(ones))), **send_kw)
     return sum(1 for r in records if r.error)

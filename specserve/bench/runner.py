@@ -98,8 +98,9 @@ def _send_kw(cfg: BenchConfig, profile) -> dict:
 
 
 async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) -> tuple[dict, list]:
-    prime_failed = await bclient.prime_prompts(cl, cfg.base_url, samples, model,
-                                               concurrency=load["concurrency"] or len(samples), **_send_kw(cfg, profile))
+    prime_failed = await bclient.prime_prompts(
+        cl, cfg.base_url, samples, model, concurrency=load["concurrency"] or cfg.max_concurrency or len(samples),
+        **_send_kw(cfg, profile))
     before = await prom.scrape(cl, murl)
     records, wall = await bclient.run_load(
         cl, cfg.base_url, samples, model, concurrency=load["concurrency"], request_rate=load["request_rate"],

@@ -179,8 +179,7 @@ async def _run_one(cl, cfg: SweepConfig, base_url: str, model: str, samples: lis
                                            on_done=(lambda _r: bar.update(1)) if bar else None)
     after = await prom.scrape(cl, murl)
     m = metrics.summarize(records, wall)
-    if prime_failed:
-        m["prime_failed"] = prime_failed
+    m["prime_failed"] = prime_failed
     if "acceptance_source" not in m:  # not a specserve server: acceptance from /metrics deltas, if any
         m.update(prom.acceptance_from_delta(prom.delta(before, after), profile))
     errors = [r.error for r in records if r.error]

@@ -102,6 +102,7 @@ COSTLY_SHARE = 0.01  # drafting is costly when a proposer call takes >= 1% of th
 OFFERED_WEIGHT = 0.3  # EMA weight of a request's newest proposal length (the draft its proposer offers)
 HOLD_SHARE = 0.1  # a decision that drafted holds its k for as many steps as keep it below ~10% of their time
 MAX_HOLD_STEPS = 8  # steps after such a decision that reuse its k, at most
+RECHECK_EVERY = 16  # a re-check found dearer than proposing is timed again every 16th decision
 RETRY_EVERY = 16  # a retired request whose proposer offered nothing is tried again after this many re-checks
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
@@ -158,7 +159,10 @@ class AdaptiveK(ConfiguredK):
         self.hold_ms = 0.0  # EMA of the host time of such a step (proposing and tracking), ms
         self._held: dict[str, int] = {}  # request id -> k of the last decision that drafted
         self._last_hold = 0  # the hold that decision set (steps)
-        self.check_ms_per_request = 0.0  # EMA of `_hopeless`'s re-check time per request checked, ms
+        # per proposer key: `_hopeless`'s re-check time per request checked (median of recent checks), ms
+        self.check_ms: dict[Any, float] = {}
+        self._check_samples: dict[Any, deque] = defaultdict(lambda: deque(maxlen=PROPOSE_SAMPLES))
+        self._decisions = 0  # decisions that reached `_hopeless` (for RECHECK_EVERY)
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
 
     def add_request(self, req: Request) -> None:
@@ -184,7 +188,7 @@ class AdaptiveK(ConfiguredK):
         key = proposer_key(req.spec_config)
         num_tokens = max(num_seqs if num_tokens is None else num_tokens, num_seqs)
         step = self.step_cost.step_ms(num_tokens, num_seqs)
-        if not self._costly(key, step):
+        if not self._costly(key, step, self.proposer_of(req.spec_config)):
             return True  # drafting is cheap (or not measured yet): nothing to save
         self._checked.add(rid)
         k_cap = self._optimistic_k(req, max(req.spec_config.k_for_batch_size(num_seqs), 1))
@@ -194,7 +198,7 @@ class AdaptiveK(ConfiguredK):
         pre = choose_draft_lengths([DraftOption(self.tracker.estimates(rid, k_cap))], self.step_cost.step_ms,
                                    num_other_tokens=num_tokens - 1, num_other_seqs=num_seqs - 1,
                                    objective=self.objective, draft_token_ms=self.step_cost.draft_overhead_ms,
-                                   speculate_ms=self.decide_ms_per_request)
+                                   speculate_ms=self.drafting_ms_per_request)
         if pre.ks[0] == 0:
             self._retired.add(rid)
             return False
@@ -237,7 +241,8 @@ class AdaptiveK(ConfiguredK):
             for rs in by_config.values():
                 self._count_k(rs[0], 0, len(rs))
             return out
-        if self.hold_steps > 0:  # a request that joined meanwhile decodes plainly until the next decision
+        if self.hold_steps > 0 and any(self._held.get(r.request_id, 0) > 0 and r.request_id not in self._retired
+                                       for r, _ in mine):  # a request that joined meanwhile decodes plainly
             self.hold_steps -= 1
             t0 = time.perf_counter()
             props = self._held_drafts(mine, propose)
@@ -247,7 +252,7 @@ class AdaptiveK(ConfiguredK):
             for i, p in zip(idx, props):
                 out[i] = p
             return out
-        self.hold_steps = 0
+        self.hold_steps = 0  # over, or every request held with drafts has left: decide
         t0 = time.perf_counter()
         props, proposed = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
@@ -262,9 +267,13 @@ class AdaptiveK(ConfiguredK):
         if not any(p.token_ids for p in props):
             plain_ms = self.step_cost.step_ms(num_other_tokens + len(mine), num_other_seqs + len(mine))
             self.rest_steps = min(MAX_REST_STEPS, int(self.decide_ms / max(REST_SHARE * plain_ms, 1e-9)))
-        else:  # hold the chosen k for the next steps, as many as keep the decision below HOLD_SHARE of them
+        elif not any(hasattr(self.proposer_of(cfg), "draft_step_cost") for cfg in {r.spec_config for r, _ in mine}):
+            # hold the chosen k for the next steps, as many as keep a decision (its EMA: one slow decision,
+            # e.g. a suffix tree ingesting a long prompt, must not set a long hold) below HOLD_SHARE of
+            # them; not with a draft model in the batch, whose drafting time is charged by its own cost
             step = self.last_choice.step_ms if self.last_choice is not None else 0.0
-            self.hold_steps = self._last_hold = min(MAX_HOLD_STEPS, int(ms / max(HOLD_SHARE * step, 1e-9)))
+            self.hold_steps = self._last_hold = min(MAX_HOLD_STEPS,
+                                                    int(self.draft_decide_ms / max(HOLD_SHARE * step, 1e-9)))
             self._held = {r.request_id: len(p.token_ids) for (r, _), p in zip(mine, props)}
         for i, p in zip(idx, props):
             out[i] = p
@@ -275,7 +284,8 @@ class AdaptiveK(ConfiguredK):
         k = 0 requests are not proposed for. Drafts are recorded at the length the proposer offered, as
         in a decision, so the estimates keep learning."""
         out = [Proposal([])] * len(asks)
-        todo = [i for i, (r, cap) in enumerate(asks) if self._held.get(r.request_id, 0) > 0]
+        todo = [i for i, (r, cap) in enumerate(asks)
+                if self._held.get(r.request_id, 0) > 0 and r.request_id not in self._retired]
         for i, p in zip(todo, propose([asks[i] for i in todo]) if todo else ()):
             r, cap = asks[i]
             k = min(self._held[r.request_id], cap)
@@ -285,8 +295,9 @@ class AdaptiveK(ConfiguredK):
             if p.token_ids:
                 out[i] = Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
                                   p.match_len, p.confidence[:k] if p.confidence else None)
-        for r, _ in asks:
-            if self._held.get(r.request_id, 0) == 0:
+        held = set(todo)
+        for i, (r, _) in enumerate(asks):
+            if i not in held:
                 self._count_k(r, 0)
         return out
 
@@ -322,13 +333,25 @@ class AdaptiveK(ConfiguredK):
             return self.draft_decide_ms
         return (self.draft_decide_ms + h * self.hold_ms) / (h + 1)
 
-    def _costly(self, key: Any, step_ms: float) -> bool:
+    @property
+    def drafting_ms_per_request(self) -> float:
+        """`drafting_step_ms` per request proposed for (ms): what the retiring checks charge each request
+        they would keep drafting, at the same price the decision charges the whole (holds included)."""
+        if not self.draft_decide_ms:
+            return self.decide_ms_per_request
+        return self.decide_ms_per_request * self.drafting_step_ms / self.draft_decide_ms
+
+    def _costly(self, key: Any, step_ms: float, proposer: Any) -> bool:
         """Whether proposing for one request of proposer `key` costs enough to be worth skipping: at
-        least COSTLY_SHARE of the step, and more than checking whether to skip it (the optimistic
-        re-check of `_hopeless`, measured per request; a check that costs more than the proposer call
-        it may save is not made)."""
+        least COSTLY_SHARE of the step, and, for a proposer without between-step work, more than
+        checking whether to skip it (the optimistic re-check of `_hopeless`, the median of its recent
+        times per request for this proposer; a check that costs more than the call it may save is not
+        made, and is timed again every RECHECK_EVERY-th decision). A proposer with a `prepare` (a
+        suffix tree's ingestion) saves that too when a request is retired, so its share alone decides."""
         ms = self.propose_ms.get(key, 0.0)
-        return ms >= COSTLY_SHARE * step_ms and ms > self.check_ms_per_request
+        if ms < COSTLY_SHARE * step_ms:
+            return False
+        return hasattr(proposer, "prepare") or ms > self.check_ms.get(key, 0.0)
 
     def take_decide_ms(self) -> float:
         """ms spent deciding (proposing for adaptive requests included) since the last call; resets it."""
@@ -423,7 +446,11 @@ class AdaptiveK(ConfiguredK):
         if not idx:
             return set()
         step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
-        costly_keys = {k for k in free if self._costly(k, step)}
+        self._decisions += 1
+        remeasure = self._decisions % RECHECK_EVERY == 0  # a check found dearer than proposing is timed again now and then
+        costly_keys = {k for k, group in free.items()
+                       if self._costly(k, step, self.proposer_of(asks[group[0]][0].spec_config))
+                       or (remeasure and self.propose_ms.get(k, 0.0) >= COSTLY_SHARE * step)}
         if self._retired:  # drafting that became cheap (e.g. a refreshed step cost) retires nobody
             for k, group in free.items():
                 if k not in costly_keys:
@@ -434,7 +461,10 @@ class AdaptiveK(ConfiguredK):
         t0 = time.perf_counter()
         out = self._check_hopeless(asks, idx, other_tokens, other_seqs)
         per = 1000 * (time.perf_counter() - t0) / len(idx)
-        self.check_ms_per_request = per if not self.check_ms_per_request else 0.9 * self.check_ms_per_request + 0.1 * per
+        for k in costly_keys:
+            samples = self._check_samples[k]
+            samples.append(per)
+            self.check_ms[k] = statistics.median(samples)
         return out
 
     def _check_hopeless(self, asks, idx: list[int], other_tokens: int, other_seqs: int) -> set[int]:
@@ -455,7 +485,7 @@ class AdaptiveK(ConfiguredK):
         pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
                                    num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective,
                                    draft_token_ms=self.step_cost.draft_overhead_ms,
-                                   speculate_ms=self.decide_ms_per_request * len(idx))
+                                   speculate_ms=self.drafting_ms_per_request * len(idx))
         out = set()
         for i, k in zip(idx, pre.ks):
             rid = asks[i][0].request_id

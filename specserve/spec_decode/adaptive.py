@@ -13,7 +13,8 @@ position, over the requests drafting that deep). Each request's speed is E_i(k_i
 ms, and every request in the step, speculating or not, waits for the same step.
 
 Objective: "throughput" (the default, issue 10's definition) maximises the expected committed tokens
-per ms of the step, sum_i E_i(k_i) / (C + D); "fair" maximises sum_i log(E_i(k_i) / (C + D)) over the
+per ms of the step, (B_other + sum_i E_i(k_i)) / (C + D), where each of the B_other other sequences in
+the step (plain decodes, fixed-k requests, prefill chunks) is counted as one committed token; "fair" maximises sum_i log(E_i(k_i) / (C + D)) over the
 requests in the step (the geometric mean of the per-request token rates), which does not let one
 request's long drafts slow down the others more than they gain. At batch size 1 both are exactly "most
 expected tokens per ms". Where any drafting has a fixed host price (on a fast GPU at 16 concurrent
@@ -138,14 +139,14 @@ def choose_draft_lengths(
     group_cost = {o.draft_group: o.draft_cost_ms for o in options if o.draft_group is not None}
     max_group_depth = max((len(o.acceptance) for o in options if o.draft_group is not None), default=0)
 
-    def value(gain_sum: float, cost: float) -> float:
-        return gain_sum - seqs * math.log(cost) if fair else (n + gain_sum) / cost
+    def value(gain_sum: float, cost: float) -> float:  # throughput: every sequence of the step commits ~1 token
+        return gain_sum - seqs * math.log(cost) if fair else (seqs + gain_sum) / cost
 
     costs = [step_ms(base_tokens + t, seqs) + draft_token_ms * t + (speculate_ms if t else 0.0)
              for t in range(len(incs) + 1)]  # by total drafts
     base_cost = costs[0]
     best = Choice([0] * n, value(0.0, base_cost), base_cost, float(n))
-    threshold = best.value + (seqs * math.log1p(min_gain) if fair else best.value * min_gain)
+    threshold = best.value + (seqs * math.log1p(min_gain) if fair else best.value * min_gain * n / seqs)
     for cap in range(1, max_group_depth + 1) if group_cost else [0]:
         ks = [0] * n
         gain_sum = tokens = 0.0
@@ -178,8 +179,8 @@ def _choose_free(options: Sequence[DraftOption], step_ms: Callable[[int, int], f
                  fair: bool, min_gain: float, draft_token_ms: float, speculate_ms: float) -> Choice:
     """`choose_draft_lengths` when no option has a drafting cost (ngram, suffix), in numpy: the same
     increments in the same order (a stable sort of each option's depths, row by row), the objective
-    of the first S of them for every S at once, and the smallest S within 1e-12 of the best that beats
-    k = 0 for everyone (by more than 1e-12) and the min_gain threshold."""
+    of the first S of them for every S at once, then the loop's rule over S: the last S that beats
+    every smaller one (k = 0 for everyone included) by more than 1e-12 and the min_gain threshold."""
     n = len(options)
     lens = np.fromiter((len(o.acceptance) for o in options), dtype=np.int64, count=n)
     width = int(lens.max()) if n else 0
@@ -199,14 +200,14 @@ def _choose_free(options: Sequence[DraftOption], step_ms: Callable[[int, int], f
     costs[1:] += speculate_ms
     g = np.concatenate(([0.0], np.cumsum(gain[order])))
     tok = np.concatenate(([0.0], np.cumsum(p[order])))
-    v = g - seqs * np.log(costs) if fair else (n + tok) / costs
+    v = g - seqs * np.log(costs) if fair else (seqs + tok) / costs
     base = float(v[0])
-    threshold = base + (seqs * math.log1p(min_gain) if fair else base * min_gain)
-    ok = (v > base + 1e-12) & (v >= threshold)
-    ok[0] = False
-    if not ok.any():
+    threshold = base + (seqs * math.log1p(min_gain) if fair else base * min_gain * n / seqs)
+    s, best = 0, base
+    for t, x in enumerate(v.tolist()):  # the loop's rule: a later S must beat the best so far by 1e-12
+        if t and x > best + 1e-12 and x >= threshold:
+            s, best = t, x
+    if not s:
         return Choice([0] * n, base, float(costs[0]), float(n))
-    top = v[ok].max()
-    s = int(np.flatnonzero(ok & (v >= top - 1e-12))[0])  # the first s increments
-    ks = np.bincount(rows[order[:s]], minlength=n).tolist()
+    ks = np.bincount(rows[order[:s]], minlength=n).tolist()  # the first s increments
     return Choice(ks, float(v[s]), float(costs[s]), n + float(tok[s]))

@@ -29,7 +29,8 @@ def brute(options, cost, objective="fair", other_tokens=0, other_seqs=0):
             depth = max([k for o, k in zip(options, ks) if o.draft_group == g], default=0)
             c += sum(f(sum(1 for o, k in zip(options, ks) if o.draft_group == g and k >= j)) for j in range(1, depth + 1))
         es = [expected_tokens(o.acceptance, k) for o, k in zip(options, ks)]
-        v = sum(map(math.log, es)) - (n + other_seqs) * math.log(c) if objective == "fair" else sum(es) / c
+        v = (sum(map(math.log, es)) - (n + other_seqs) * math.log(c) if objective == "fair"
+             else (sum(es) + other_seqs) / c)  # throughput: each other sequence commits one token
         if best is None or v > best + 1e-12 or (abs(v - best) <= 1e-12 and sum(ks) < sum(best_ks)):
             best, best_ks = v, list(ks)
     return best_ks, best
@@ -198,3 +199,17 @@ def test_numpy_path_chooses_as_the_loop(objective, monkeypatch):
         assert fast.ks == loop.ks, trial
         assert fast.value == pytest.approx(loop.value, abs=1e-9)
         assert fast.step_ms == pytest.approx(loop.step_ms) and fast.expected_tokens == pytest.approx(loop.expected_tokens)
+
+
+def test_throughput_counts_the_other_sequences_tokens():
+    """Throughput is tokens per ms of the whole step: the 15 plain decodes beside one speculating
+    request commit a token each too. On a CPU-like linear cost (60 ms + 6 ms per token) a request with
+    acceptance 0.6 beside them must not draft (its 1.5 expected extra tokens cost 16 requests ~10%
+    more time), while alone it does; the choice matches the brute force with the others counted."""
+    cost = lambda t, b: 60.0 + 6.0 * t  # noqa: E731
+    opt = [DraftOption([0.6] * 5)]
+    beside = choose_draft_lengths(opt, cost, num_other_tokens=15, num_other_seqs=15, objective="throughput")
+    assert beside.ks == [0]
+    assert beside.ks == brute(opt, cost, "throughput", other_tokens=15, other_seqs=15)[0]
+    alone = choose_draft_lengths(opt, cost, objective="throughput")
+    assert alone.ks[0] > 0 and alone.ks == brute(opt, cost, "throughput")[0]

@@ -439,7 +439,9 @@ def test_a_decision_that_drafts_holds_its_k(monkeypatch):
         commit(ad, r, [7] * 5)
     late = req("late", cfg)
     ad.add_request(late)
-    pending = len(ad.tracker._requests["r0"].pending)
+    recorded = []
+    real_add = ad.tracker.add_draft
+    monkeypatch.setattr(ad.tracker, "add_draft", lambda rid, *a, **k: recorded.append(rid) or real_add(rid, *a, **k))
     for _ in range(3):
         calls = len(prop.calls)
         props = ad.draft([(r, 3) for r in rs] + [(late, 3)], via(prop), num_other_tokens=0, num_other_seqs=0)
@@ -448,7 +450,7 @@ def test_a_decision_that_drafts_holds_its_k(monkeypatch):
         for r in rs:
             commit(ad, r, [7] * 4)
     assert len(choices) == 1 and ad.hold_steps == 0
-    assert len(ad.tracker._requests["r0"].pending) + 3 > pending  # hold drafts were recorded (and resolved)
+    assert recorded == 3 * [r.request_id for r, k in zip(rs, held) if k]  # hold drafts recorded, the newcomer's not
     assert ad.drafting_step_ms == pytest.approx((ad.draft_decide_ms + 3 * ad.hold_ms) / 4)
     ad.draft([(r, 3) for r in rs] + [(late, 3)], via(prop), num_other_tokens=0, num_other_seqs=0)
     assert len(choices) == 2 and ("late", 3) in prop.calls[-1]  # the hold is over: a decision, the newcomer in it
@@ -471,19 +473,80 @@ def test_holds_never_happen_where_a_decision_is_cheap(monkeypatch):
     assert len(prop.calls) == 5
 
 
-def test_a_recheck_dearer_than_the_proposer_is_not_made():
+def test_a_recheck_dearer_than_the_proposer_is_not_made(monkeypatch):
     """Skipping the proposer for hopeless requests (`_hopeless`) needs a re-check per request; it is made
-    only while a proposer call costs both COSTLY_SHARE of the step and more than that re-check."""
+    only while a proposer call costs both COSTLY_SHARE of the step and, for a proposer without
+    between-step work, more than that re-check (per proposer). A proposer with a `prepare` (a suffix
+    tree) saves its ingestion too, so its share alone decides. A check found dearer is timed again every
+    RECHECK_EVERY-th decision, so one slow check does not switch it off for good."""
+    import specserve.engine.draft_length as dl
     from specserve.spec_decode import proposer_key
 
     cfg = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
-    ad = AdaptiveK(FLAT, lambda c: Scripted([7]))
+    plain, with_prepare = Scripted([7]), Scripted([7])
+    with_prepare.prepare = lambda inputs: None
+    ad = AdaptiveK(FLAT, lambda c: plain)
     key = proposer_key(cfg)
-    assert not ad._costly(key, 1.0)  # not measured yet: cheap
+    assert not ad._costly(key, 1.0, plain)  # not measured yet: cheap
     ad.propose_ms[key] = 0.05
-    assert ad._costly(key, 1.0)  # 5% of a 1 ms step, no re-check measured yet
-    assert not ad._costly(key, 10.0)  # 0.5% of a 10 ms step
-    ad.check_ms_per_request = 0.2
-    assert not ad._costly(key, 1.0)  # the re-check costs more than the call it would save
-    ad.check_ms_per_request = 0.01
-    assert ad._costly(key, 1.0)
+    assert ad._costly(key, 1.0, plain)  # 5% of a 1 ms step, no re-check measured yet
+    assert not ad._costly(key, 10.0, plain)  # 0.5% of a 10 ms step
+    ad.check_ms[key] = 0.2
+    assert not ad._costly(key, 1.0, plain)  # the re-check costs more than the call it would save
+    assert ad._costly(key, 1.0, with_prepare)  # ... but retiring also saves the proposer's ingestion
+    ad.check_ms[key] = 0.01
+    assert ad._costly(key, 1.0, plain)
+    # the latch: a check measured dearer is still made every RECHECK_EVERY-th decision, and re-timed
+    monkeypatch.setattr(dl, "REST_SHARE", 1e9)
+    monkeypatch.setattr(dl, "HOLD_SHARE", 1e9)
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    prop = Scripted([9] * 4, delay_ms=0.05, clock=fake_time(monkeypatch))
+    ad = AdaptiveK(gpu, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(4)]
+    for r in rs:
+        ad.add_request(r)
+    checks = []
+    real = ad._check_hopeless
+    monkeypatch.setattr(ad, "_check_hopeless", lambda *a: checks.append(1) or real(*a))
+    for step in range(2 * dl.RECHECK_EVERY + 4):
+        if step == 4:  # measured by now (drafting costly by its share); make the check look dear
+            ad.check_ms[key] = 1.0
+            ad._check_samples[key].extend([1.0] * 15)
+            checks.clear()
+        ad.draft([(r, 4) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+        for r in rs:
+            commit(ad, r, [4])
+    assert len(checks) == 2  # the 16th and 32nd decisions only
+
+
+def test_a_hold_ends_when_its_drafting_requests_leave_and_never_holds_a_draft_model(monkeypatch):
+    """A hold whose requests held with drafts have all finished ends at once (the next step decides for
+    the ones that joined); a batch with a draft model's requests is never held (the draft model drafts
+    exactly the chosen k, every step)."""
+    import specserve.engine.draft_length as dl
+
+    monkeypatch.setattr(dl, "REST_SHARE", 1e9)
+    gpu = StepCostModel(list(range(1, 64)), [1.0 + 0.001 * t for t in range(63)])
+    cfg = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
+    prop = Scripted([7] * 4, delay_ms=0.1, clock=fake_time(monkeypatch))
+    ad = AdaptiveK(gpu, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(4)]
+    for r in rs:
+        ad.add_request(r)
+    ad.draft([(r, 4) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert ad.hold_steps > 0
+    for r in rs:
+        ad.finish_request(r)
+    new = req("new", cfg)
+    ad.add_request(new)
+    (p,) = ad.draft([(new, 4)], via(prop), num_other_tokens=0, num_other_seqs=0)
+    assert p.token_ids and prop.calls[-1] == [("new", 4)]  # decided (and drafted) at once, not held plain
+    dcfg = SpeculativeConfig("draft_model", 3, model="tiny", num_speculative_tokens_schedule="adaptive")
+    dprop = Scripted([7] * 3, costly=True, delay_ms=0.1, clock=prop.clock)
+    ad2 = AdaptiveK(gpu, lambda c: dprop)
+    d = req("d", dcfg)
+    ad2.add_request(d)
+    for _ in range(3):
+        ad2.draft([(d, 3)], via(dprop), num_other_tokens=0, num_other_seqs=0)
+        assert ad2.hold_steps == 0
+        commit(ad2, d, [7])
