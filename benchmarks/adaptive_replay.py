@@ -1,5 +1,6 @@
-"""Replay the 16-concurrent GPU benchmark offline: the real adaptive schedule (`AdaptiveK`) and n-gram
-proposer over requests whose greedy outputs are known, with the device's step time modelled from its
+"""Replay the 16-concurrent GPU benchmark offline with the real adaptive schedule and n-gram proposer.
+
+The real `AdaptiveK` and n-gram proposer run over requests whose greedy outputs are known, with the device's step time modelled from its
 measurements. For trying a change to the schedule in seconds on a CPU before it costs device time.
 
 How: greedy output does not depend on speculation, so each request's output is fixed (generated once
@@ -17,10 +18,11 @@ slower than the 2-core VM), so its measured decision costs are what it would mea
 defaults reproduce the device's plain steps (~1.8 ms) and its drafting-step costs. It prints one JSON
 line: tok/s, steps, draft tokens, the k histogram and, for an adaptive profile, its steps at 16
 sequences (rests, no-draft decisions, drafting steps and the median decision ms). With `--py-scale
-2.5` (session 14): static ngram 1.34x of the baseline (the device: 1.2-1.3x), adaptive ngram 1.22x
-with the throughput objective and 1.02x with fair (the device, side by side: 1.16x and 1.05x); the
-schedule as it was before session 14 replayed at 0.99x with 640 rest steps of 696 (the device:
-0.97-1.04x, rest-dominated). What it does not model: the suffix proposer's between-step ingestion,
+2.5` (session 14, an idle VM): static ngram 1.33x of the baseline (the device: 1.2-1.3x); the schedule
+as it was before session 14, 0.99x with 640 rest steps of 696 (the device: 0.97-1.04x, rest-dominated);
+the committed one 1.15-1.20x (throughput) and 1.15-1.18x (fair), not measured on the device (an
+earlier version measured 1.10-1.16x there and replayed at 1.22x). The decision times are real Python
+time on this host, so a loaded machine moves the results. What it does not model: the suffix proposer's between-step ingestion,
 prefill chunks mixed into decode steps (a constant per admitted request), the device's noise.
 
     python benchmarks/adaptive_replay.py --profile baseline
