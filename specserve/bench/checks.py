@@ -5,7 +5,9 @@ numbers are not what their labels say: `specserve bench` exits 1 unless the user
 **warnings** (labels every output must carry), each `{"kind", "message"}`:
 - `failed`: measured requests that failed (a problem unless `--allow-errors`); `warmup_failed`:
   warm-up requests that failed while `--allow-errors` let the run go on; `prime_failed` (a warning):
-  requests that prime the prefix cache before a run (`client.prime_prompts`) failed;
+  requests that prime the prefix cache before a run (`client.prime_prompts`) failed; `suffix_replay`
+  (a warning): a profile the server runs with a suffix tree ran the same prompts more than once, so
+  its later runs may replay its earlier answers;
 - `profile_unverified`: `--profile` was given but no response named the profile that served it (vLLM
   answers 200 to a `profile` field and an `x-specserve-profile` header and ignores both), so runs
   labelled with different profiles may be the same configuration (a problem unless
@@ -77,6 +79,18 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
     if warm_bad:
         add("warmup_failed", "warm-up requests failed (allowed by --allow-errors): "
                              + ", ".join(f"{n} for profile {p}" for p, n in warm_bad.items()), False)
+    configs = summary.get("server_speculative_configs") or {}
+    suffix = sorted(n for n, c in configs.items() if c and c.get("method") == "suffix")
+    runs_per = {}
+    for r in summary.get("runs", []):
+        runs_per[r["profile"]] = runs_per.get(r["profile"], 0) + 1
+    replayed = [p for p in runs_per if runs_per[p] > 1 and (p in suffix or (p == "default" and suffix))]
+    if replayed:
+        add("suffix_replay", f"SUFFIX REPLAY: {', '.join(replayed)} may use a suffix tree ({', '.join(suffix)}), "
+                             "which keeps the outputs of finished requests: its later runs of the same prompts "
+                             "(every load and repeat sends them again) can replay earlier answers and read "
+                             "too fast; trust its first run, or use `specserve sweep` (fresh prompts per "
+                             "repeat, its own tree per profile)", False)
     prime_bad = [r for r in summary.get("runs", []) if r.get("prime_failed")]
     if prime_bad:
         add("prime_failed", "priming requests failed before "

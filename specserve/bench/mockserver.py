@@ -11,7 +11,8 @@ stream that ends before max_tokens ends as real servers' do: one more chunk, `eo
 with no text, the EOS token (in usage and logprobs) and finish_reason "stop". Every response has
 its own id (`mock-<n>`); the bodies received are kept in `app.state.bodies`. HTTP 500 for: a prompt
 containing `FAIL`, the first `fail_first` requests, and requests for a profile in `fail_profiles`
-whose prompt hashes to an even number (about half, the same ones every run).
+whose prompt hashes to an even number (about half, the same ones every run). With
+`speculative_configs`, /v1/models carries them as a specserve server does (`specserve.speculative_configs`).
 What it does not do: generate text, batch, or honour other sampling parameters.
 """
 from __future__ import annotations
@@ -51,14 +52,18 @@ def plan(prompt_key: str, max_tokens: int, speculate: bool) -> tuple[list[int], 
 
 def make_app(specserve: bool = True, delay_s: float = 0.003, continuous_usage: bool = False,
              default_profile: str = "baseline", eos: bool = False, eos_delay_s: float = 0.0,
-             honour_ignore_eos: bool = True, fail_first: int = 0, fail_profiles: tuple = ()) -> FastAPI:
+             honour_ignore_eos: bool = True, fail_first: int = 0, fail_profiles: tuple = (),
+             speculative_configs: dict | None = None) -> FastAPI:
     app = FastAPI()
     app.state.bodies = []
     counters: dict = defaultdict(float)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "mock-model", "object": "model"}]}
+        entry = {"id": "mock-model", "object": "model"}
+        if speculative_configs is not None:  # as a specserve server lists its profiles' effective configs
+            entry["specserve"] = {"profiles": list(speculative_configs), "speculative_configs": speculative_configs}
+        return {"object": "list", "data": [entry]}
 
     @app.get("/metrics")
     async def metrics():

@@ -76,6 +76,17 @@ def _json_num(x):
     return "inf" if isinstance(x, float) and x == float("inf") else x
 
 
+async def server_speculative_configs(client: httpx.AsyncClient, base_url: str) -> dict:
+    """{profile name: effective speculative config or None} from a specserve server's /v1/models ({} for
+    other servers or when it cannot be read)."""
+    try:
+        r = await client.get(base_url.rstrip("/") + "/models", timeout=30)
+        data = r.json().get("data") or [] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return dict(((data[0].get("specserve") or {}).get("speculative_configs") or {}) if data else {})
+
+
 async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
     r = await client.get(base_url.rstrip("/") + "/models", timeout=30)
     r.raise_for_status()
@@ -200,6 +211,7 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None,
     runs, rows, warmups = [], [], {}
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as cl:
         model = cfg.model or await discover_model(cl, cfg.base_url)
+        server_configs = await server_speculative_configs(cl, cfg.base_url)
         murl = cfg.metrics_url or prom.metrics_url(cfg.base_url)
         total = len(cfg.profiles) * len(loads) * cfg.repeats * len(samples)
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not cfg.progress)
@@ -225,7 +237,8 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None,
                "datasets": sources, "num_samples": len(samples), "num_requests": len(rows), "failed": n_failed,
                "failed_rate": n_failed / len(rows) if rows else None,
                "warmup": {"per_profile": len(warm), "source": warm_source if warm else "none", "profiles": warmups},
-               "runs": runs, "groups": groups, "comparisons": compare.compare_groups(groups, rows)}
+               "runs": runs, "groups": groups, "comparisons": compare.compare_groups(groups, rows),
+               "server_speculative_configs": server_configs}
     summary["problems"], summary["warnings"] = checks.evaluate(
         summary, rows, allow_errors=cfg.allow_errors, allow_unverified_profile=cfg.allow_unverified_profile,
         ignore_eos=cfg.ignore_eos)

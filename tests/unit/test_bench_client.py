@@ -194,3 +194,20 @@ def test_sse_parsing_counts_tokens_that_hold_back_text():
     assert r.error is None and r.text == "abc" and r.finish_reason == "stop" and r.served_profile == "p"
     assert [c[1] for c in r.chunks] == [1, 2, 2]  # the last chunk also takes the token usage had beyond logprobs
     assert r.token_count_source == "logprobs" and r.output_tokens == 5 and r.specserve == spec
+
+
+def test_a_suffix_profile_run_more_than_once_is_flagged():
+    """A profile the server runs with a suffix tree keeps finished requests' outputs, so its second run
+    of the same prompts can replay them: `suffix_replay` names it (read from /v1/models); one run per
+    profile, or no suffix profile, gives no such warning."""
+    configs = {"baseline": None, "ngram_4": {"method": "ngram"}, "sfx": {"method": "suffix"}}
+    with mockserver.MockServer(speculative_configs=configs) as url:
+        twice, _ = _run(url, _samples(2), concurrency=[1, 2], profiles=["baseline", "ngram_4", "sfx"])
+        once, _ = _run(url, _samples(2), concurrency=[1], profiles=["baseline", "ngram_4", "sfx"])
+        plain, _ = _run(url, _samples(2), concurrency=[1, 2], profiles=["baseline", "ngram_4"])
+    kinds = [w["kind"] for w in twice["warnings"]]
+    assert "suffix_replay" in kinds
+    msg = next(w["message"] for w in twice["warnings"] if w["kind"] == "suffix_replay")
+    assert msg.startswith("SUFFIX REPLAY: sfx ") and "ngram_4" not in msg.split("(")[0]
+    assert twice["server_speculative_configs"] == configs
+    assert "suffix_replay" not in [w["kind"] for w in once["warnings"] + plain["warnings"]]
