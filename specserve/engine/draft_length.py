@@ -42,8 +42,9 @@ decision is far below 10% of a step and nothing is held.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
-the step and more than the optimistic re-check of `_hopeless` per request (measured): a re-check that
-costs more than the call it may save is not made.
+the step and, for a proposer without `prepare`, more than the optimistic re-check of `_hopeless` per
+request (measured per proposer, re-timed every RECHECK_EVERY-th decision): a re-check that costs more
+than the call it may save is not made (for a suffix tree, retiring also saves its ingestion).
 Retiring: where drafting is costly (the 1% rule of step 1), a request whose optimistic choice is k = 0
 does not only skip the proposer: it is *retired* and its proposer does no work for it at all, not even
 between steps (`wants_prepare` is False: a suffix tree does not ingest its prompt or its new tokens).
