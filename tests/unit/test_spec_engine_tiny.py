@@ -236,7 +236,7 @@ def test_retiring_and_catching_up_is_lossless(llm, base, random_k, monkeypatch):
     from specserve.engine import draft_length
     from specserve.spec_decode import proposer_key
 
-    monkeypatch.setattr(draft_length.AdaptiveK, "_costly", lambda self, key, step_ms: True)
+    monkeypatch.setattr(draft_length.AdaptiveK, "_costly", lambda self, *args: True)
     monkeypatch.setattr(draft_length, "REST_SHARE", 1e9)  # every step decides: the call sequence is fixed
     monkeypatch.setattr(draft_length, "HOLD_SHARE", 1e9)  # and no holds
     eng = llm.engine
