@@ -122,6 +122,8 @@ C16_EXTRA = {
     # its own suffix proposer (see suffix_k15): no other profile's outputs of the same prompts in its tree
     "suffix_adaptive": {**METHODS["suffix"], "num_speculative_tokens_schedule": "adaptive",
                         "suffix_decoding_max_cached_requests": 9998},
+    # k per request and step up to 5, priced with the draft model's measured forward time per position
+    "draft_model_adaptive": {**METHODS["draft_model_k5"], "num_speculative_tokens_schedule": "adaptive"},
 }
 
 

@@ -82,9 +82,14 @@ def main() -> None:
                                    "draft_overhead_ms": round(cm.draft_overhead_ms, 4)}
             return out
 
-        for n in names:
-            run(n)
         out = res["models"][target] = {}
+        for n in list(names):  # warm-up; a profile that fails is dropped and its error kept, not the whole run
+            try:
+                run(n)
+            except Exception as e:  # noqa: BLE001 - recorded in the results, printed
+                names.remove(n)
+                out.setdefault("failed", {})[n] = f"{type(e).__name__}: {e}"
+                print(f"{target} {n} failed in its warm-up run: {type(e).__name__}: {e}", flush=True)
         for mode in args.modes.split(","):
             if mode == "gc_freeze":
                 gc.collect()
