@@ -73,6 +73,7 @@ def instrument(eng, log: StepLog) -> None:
         t0 = time.perf_counter()
         out = step()
         log.cur["wall_ms"] = 1e3 * (time.perf_counter() - t0)
+        log.cur["committed"] = sum(len(o.new_token_ids) for o in out)
         if "seqs" in log.cur:
             log.rows.append(log.cur)
         return out
@@ -94,12 +95,15 @@ def instrument_adaptive(ad, log: StepLog) -> None:
     def wrapped(asks, propose, **kw):
         resting, holding = ad.rest_steps > 0, getattr(ad, "hold_steps", 0) > 0
         t0 = time.perf_counter()
+        ad.last_choice = None
         out = draft(asks, propose, **kw)
         log.add("adaptive_ms", 1e3 * (time.perf_counter() - t0))
         n_adaptive = sum(1 for r, _ in asks if r.spec_config.adaptive)
         if n_adaptive:
             log.cur["decision"] = ("rest" if resting else "hold" if holding
                                    else "drafts" if any(p.token_ids for p in out) else "none")
+        if ad.last_choice is not None:  # this step chose: what the choice expected (ms of the step, tokens)
+            log.cur["pred_ms"], log.cur["pred_tokens"] = ad.last_choice.step_ms, ad.last_choice.expected_tokens
         return out
 
     ad.draft = wrapped
@@ -128,6 +132,22 @@ def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
             by[(r["drafts"] + 15) // 16 * 16].append(r["wall_ms"])
     out["wall_ms_by_drafts_at_12plus_seqs"] = {f"<={d}": [len(v), round(statistics.median(v), 3)]
                                                for d, v in sorted(by.items())}
+    # decisions that drafted, with nothing but decodes in the step: the choice's expected step ms and
+    # committed tokens against the realised ones (a cost model or acceptance estimate that is off shows here)
+    chose = [r for r in dec if "pred_ms" in r and r.get("drafts")]
+    if chose:
+        out["drafting_decisions_expected_vs_realised"] = {
+            "steps": len(chose),
+            "step_ms": [round(statistics.median(r["pred_ms"] for r in chose), 3),
+                        round(statistics.median(r["wall_ms"] for r in chose), 3)],
+            "tokens": [round(statistics.median(r["pred_tokens"] for r in chose), 2),
+                       round(statistics.median(r["committed"] for r in chose), 2)],
+            "tokens_per_ms": [round(sum(r["pred_tokens"] for r in chose) / sum(r["pred_ms"] for r in chose), 3),
+                              round(sum(r["committed"] for r in chose) / sum(r["wall_ms"] for r in chose), 3)]}
+    plain = [r for r in dec if not r.get("drafts") and r["seqs"] >= 12]
+    if plain:
+        out["plain_steps_12plus_seqs_tokens_per_ms"] = round(
+            sum(r["committed"] for r in plain) / sum(r["wall_ms"] for r in plain), 3)
     verdicts = {k: int(sum(r.get(f"prepare_{k}", 0) for r in rows)) for k in ("kept", "retired")}
     if any(verdicts.values()):  # request-steps whose proposer state was kept up to date / not (retired)
         out["prepare_request_steps"] = verdicts
@@ -150,7 +170,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", required=True)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, help="TARGET[:DRAFT] (a draft enables the draft_model profiles)")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--profiles", default="baseline,ngram,ngram_adaptive,suffix,suffix_adaptive")
     ap.add_argument("--profile", default=None, help="cProfile this profile's measured run")
@@ -162,11 +182,12 @@ def main() -> None:
     samples = json.loads(Path(args.prompts).read_text())["samples"]
     if args.max_tokens:
         samples = [{**s, "max_tokens": min(s["max_tokens"], args.max_tokens)} for s in samples]
-    llm = LLM(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
+    target, _, draft = args.model.partition(":")
+    llm = LLM(target, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
               max_model_len=4096, max_num_seqs=16)
     eng = llm.engine
-    cfgs = bg.method_configs(None, {m: bg.METHODS[m] for m in bg.C16_PROFILES if m in bg.METHODS})
-    cfgs.update(bg.method_configs(None, bg.C16_EXTRA))
+    cfgs = bg.method_configs(draft or None, {m: bg.METHODS[m] for m in bg.C16_PROFILES if m in bg.METHODS})
+    cfgs.update(bg.method_configs(draft or None, bg.C16_EXTRA))
     names = args.profiles.split(",")
     log = StepLog()
     instrument(eng, log)

@@ -1,16 +1,19 @@
 #!/bin/bash
 # On the GPU machine: join the GGUF parts that earlier calls copied into /root/models/NAME/
-# (`split -b 60m -d -a 2 FILE part` here, one part carried per call; DESIGN.md section 8) into
+# (`split -b 55m -d -a 2 FILE part` here: a 60 MiB part plus the ~7 MiB working tree exceeds the 64 MiB a
+# call carries; one part per call, DESIGN.md section 8) into
 # /root/models/NAME.gguf, print its sha256 and convert it into $SPECSERVE_HOME (default /root/ss):
 # a file whose sha256 is a catalog model's becomes that catalog name (specserve.hub.resolve_model).
-# Writes /root/models/NAME.done when the conversion finished, so a later call can wait for a
-# conversion started in the background:
+# Writes /root/models/NAME.done when the conversion finished (NAME.failed when a step failed), so a
+# later call can wait for a conversion started in the background:
 #   nohup bash benchmarks/gpu/assemble_gguf.sh q15 > /root/asm_q15.log 2>&1 &
 set -e -o pipefail
 NAME=$1
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH=/root/site:$REPO SPECSERVE_HOME=${SPECSERVE_HOME:-/root/ss}
 cd /root/models
+rm -f "$NAME.done" "$NAME.failed"
+trap 'touch "/root/models/$NAME.failed"' ERR
 cat "$NAME"/part?? > "$NAME.gguf"
 sha256sum "$NAME.gguf"
 python3 -c "import sys; from specserve.hub import resolve_model; print(resolve_model(sys.argv[1]))" "/root/models/$NAME.gguf"
