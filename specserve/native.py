@@ -4,8 +4,10 @@ Two hot paths of the engine are C++ (`specserve/model/panel_linear.cpp`, the CPU
 `specserve/spec_decode/suffix_tree.cpp`, the suffix proposer's tree). Each is one source file built with
 torch.utils.cpp_extension (gcc and ninja; the `ninja` wheel is a dependency) with -O3 -march=native, so
 the build directory is named after a hash of the source, the flags, this CPU's instruction-set flags, the
-torch version and the Python ABI (EXT_SUFFIX): another CPU type, torch or Python compiles anew, an
-unchanged one loads in well under a second. The cache lives under ~/.cache/specserve/kernels
+torch version and install folder, and the Python ABI (EXT_SUFFIX): another CPU type, torch, Python or
+virtual environment compiles anew, an unchanged one loads in well under a second. (The install folder
+is in the hash because torch writes its include paths into the folder's build.ninja: two checkouts
+with their own venvs sharing one folder would rewrite it, and rebuild, on every alternate load.) The cache lives under ~/.cache/specserve/kernels
 (SPECSERVE_KERNEL_DIR overrides).
 
 A build that fails is remembered with its reason (the first line that reports an error); every later
@@ -56,7 +58,7 @@ class NativeUnavailableError(ConfigError, RuntimeError):
 
 
 class NativeExtension:
-    """One C++ source file compiled on first use (thread-safe) and cached per CPU type and torch version.
+    """One C++ source file compiled on first use (thread-safe) and cached per CPU type and torch install.
 
     Args:
         name: the extension's base name (a Python identifier); the module is named
@@ -75,7 +77,8 @@ class NativeExtension:
     def build_name(self) -> str:
         digest = hashlib.sha256()
         for part in (self.source.read_bytes(), " ".join(self.cflags).encode(), _cpu_flags().encode(),
-                     torch.__version__.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode()):
+                     torch.__version__.encode(), str(Path(torch.__file__).resolve().parent).encode(),
+                     str(sysconfig.get_config_var("EXT_SUFFIX")).encode()):
             digest.update(part)
         return f"{self.name}_{digest.hexdigest()[:16]}"
 

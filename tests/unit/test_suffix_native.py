@@ -175,3 +175,15 @@ def test_a_sealed_sequence_cannot_be_extended(cls):
     assert tree.seq_ids == [] and tree.speculate([1, 0], 4, 4.0, 0.0).token_ids == []
     tree.extend(0, [3, 4])  # a removed id is a new sequence
     assert tree.length(0) == 2
+
+
+def test_the_build_folder_depends_on_the_torch_install(monkeypatch, tmp_path):
+    """Two virtual environments with the same torch version must not share a build folder: torch writes
+    its include paths into build.ninja, so a shared folder is rebuilt on every alternate load."""
+    from specserve import native
+
+    ext = native.NativeExtension("specserve_probe", suffix.EXTENSION.source, ["-O2"], "a probe")
+    here = ext.build_name()
+    assert ext.build_name() == here  # stable for one install
+    monkeypatch.setattr(native.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert ext.build_name() != here
