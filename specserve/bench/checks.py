@@ -7,7 +7,11 @@ numbers are not what their labels say: `specserve bench` exits 1 unless the user
   warm-up requests that failed while `--allow-errors` let the run go on; `prime_failed` (a warning):
   requests that prime the prefix cache before a run (`client.prime_prompts`) failed; `suffix_replay`
   (a warning): a profile the server runs with a suffix tree ran the same prompts more than once, so
-  its later runs may replay its earlier answers;
+  its later runs may replay its earlier answers; `not_primed` (a warning): runs of several profiles
+  without the priming (`--no-prime`), so the first profile to send a prompt paid its prefill;
+  `implausible_speedup` (a warning): a TPOT speedup above IMPLAUSIBLE_MARGIN x the candidate's mean
+  acceptance length, more than a step that commits that many tokens and costs at least a decode can
+  give: the baseline's run was slowed by something else (load on the machine);
 - `profile_unverified`: `--profile` was given but no response named the profile that served it (vLLM
   answers 200 to a `profile` field and an `x-specserve-profile` header and ignores both), so runs
   labelled with different profiles may be the same configuration (a problem unless
@@ -26,6 +30,7 @@ from __future__ import annotations
 from specserve.bench.metrics import ok
 
 SERVER_WIDE = "server-wide, includes other traffic"
+IMPLAUSIBLE_MARGIN = 1.2  # speedup / acceptance length above this: not speculation's doing (noise allowed for)
 
 
 def profile_check(records, profile: str | None) -> dict:
@@ -57,6 +62,23 @@ def _get(rec, key):
 
 def _names(groups, pred) -> str:
     return ", ".join(dict.fromkeys(f"{g['profile']} {g['load']}" for g in groups if pred(g)))
+
+
+def _implausible(summary: dict) -> list[str]:
+    """'profile load segment: speedup with acceptance length L' for every comparison (overall and per
+    segment) whose TPOT speedup exceeds IMPLAUSIBLE_MARGIN x the candidate's mean acceptance length."""
+    groups = {(g["profile"], g["load"]): g for g in summary.get("groups", [])}
+    out = []
+    for c in summary.get("comparisons") or []:
+        g = groups.get((c["candidate"], c["load"]))
+        if g is None:
+            continue
+        for seg, cm in [("all", c["overall"]), *c.get("segments", {}).items()]:
+            m = g["overall"] if seg == "all" else g["segments"].get(seg, {})
+            sp, al = cm.get("speedup"), m.get("mean_acceptance_length")
+            if sp is not None and al is not None and sp > IMPLAUSIBLE_MARGIN * max(al, 1.0):
+                out.append(f"{c['candidate']} {c['load']} {seg}: {sp:.2f}x with acceptance length {al:.2f}")
+    return out
 
 
 def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, allow_unverified_profile: bool = False,
@@ -96,6 +118,18 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
         add("prime_failed", "priming requests failed before "
                             + ", ".join(f"{r['profile']} {r['load']} #{r['repeat']} ({r['prime_failed']})" for r in prime_bad)
                             + ": those runs may have met a colder prefix cache than the others", False)
+    cold = [r for r in summary.get("runs", []) if r.get("primed") is False]
+    if cold and len({r["profile"] for r in summary.get("runs", [])}) > 1:
+        add("not_primed", "NOT PRIMED (--no-prime): the first profile to send a prompt paid its prefill, in its "
+                          "TTFT and, at concurrency > 1, in the other requests' TPOT; later profiles met those "
+                          "prompts in the prefix cache", False)
+    implausible = _implausible(summary)
+    if implausible:
+        add("implausible_speedup", "IMPLAUSIBLE: TPOT speedup above what the acceptance allows ("
+                                   + "; ".join(implausible) + "): a step that commits the mean acceptance length in "
+                                   "tokens and costs at least a decode step cannot give more, so the baseline's run was "
+                                   "slowed by something else (other load on the machine); rerun on a quiet machine, "
+                                   "with --repeats", False)
     mism = [g for g in groups if g.get("profile_check") == "mismatch"]
     if mism:
         add("profile_mismatch", f"PROFILE MISMATCH: responses named another profile than requested in "

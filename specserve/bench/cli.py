@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="warm-up requests per profile, not counted; never a measured prompt (other samples of the "
                         "built-in segments, or short neutral prompts for a .jsonl dataset); a failed one stops the "
                         "run unless --allow-errors")
+    p.add_argument("--no-prime", action="store_true",
+                   help="do not send each run's prompts once (max_tokens 1, untimed) before the run; by default "
+                        "they are, so every profile meets the prefix cache alike and TTFT is that of cached "
+                        "prompts. Without it the first profile to send a prompt pays its prefill (a WARNING says so)")
     p.add_argument("--allow-errors", action="store_true",
                    help="accept failed requests (warm-up included): the run is still marked FAILED in every output "
                         "but exits 0")
@@ -163,7 +167,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         profile_header=args.profile_header, repeats=args.repeats, warmup=args.warmup, slo=args.slo,
         logprobs=args.logprobs, timeout_s=args.timeout, metrics_url=args.metrics_url, api_key=args.api_key,
         progress=not args.no_progress, allow_errors=args.allow_errors,
-        allow_unverified_profile=args.allow_unverified_profile, ignore_eos=args.ignore_eos, output_len=args.output_len)
+        allow_unverified_profile=args.allow_unverified_profile, ignore_eos=args.ignore_eos, output_len=args.output_len,
+        prime=not args.no_prime)
     if cfg.num_prompts < 1 or cfg.repeats < 1 or any(c < 1 for c in cfg.concurrency) or cfg.max_tokens < 1:
         raise ValueError("--num-prompts, --repeats, --concurrency and --max-tokens must be >= 1")
     if cfg.warmup < 0 or (cfg.output_len is not None and cfg.output_len < 1):

@@ -63,7 +63,9 @@ def print_summary(summary: dict, file=None) -> None:
         runs = [r for r in summary["runs"] if r["profile"] == g["profile"] and r["load"] == g["load"]]
         title = (f"profile {profile_label(g['profile'], g.get('profile_check'))} | {g['load']} | "
                  f"{g['overall'].get('num_repeats', 1)} repeat(s){_mem(runs)} | latencies in ms, P50/P99 over "
-                 "requests; ITL pooled over gaps")
+                 "requests; ITL pooled over gaps; "
+                 + ("prompts not primed" if runs and not all(r.get("primed", True) for r in runs)
+                    else "prompts primed (TTFT of cached prompts)"))
         t = Table(title=title, title_justify="left")
         itl = "ITL/token p50" + ("" if g["overall"].get("itl_token_exact", True) else " (ESTIMATE)")
         for col in ("segment", "req", "err%", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50",

@@ -39,7 +39,10 @@ td:first-child,th:first-child{text-align:left}.note{color:#555;font-size:13px}h2
 seed {{ s.config.seed }}; max_tokens cap {{ s.config.max_tokens }}{% if s.config.output_len %}; fixed output length
 {{ s.config.output_len }}{% endif %}{% if s.config.ignore_eos %}; ignore_eos{% endif %};
 {{ s.num_requests }} measured requests, {{ s.failed }} failed; warm-up: {{ s.warmup.per_profile }} per profile
-({{ s.warmup.source|e }}), never a measured prompt.</p>
+({{ s.warmup.source|e }}), never a measured prompt.
+{% if s.config.prime is sameas false %}Prompts were not primed (<code>--no-prime</code>): the first profile to send a
+prompt paid its prefill.{% else %}Each run's prompts were sent once (max_tokens 1, untimed) before it: TTFT is that of
+prompts already in the prefix cache.{% endif %}</p>
 {% if s.problems or s.warnings %}<h2>Checks</h2><ul>
 {% for p in s.problems %}<li class="problem">PROBLEM: {{ p.message|e }}</li>{% endfor %}
 {% for w in s.warnings %}<li class="warning">WARNING: {{ w.message|e }}</li>{% endfor %}</ul>{% endif %}

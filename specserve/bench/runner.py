@@ -6,7 +6,7 @@ with requests that share none of the measured prompts (`datasets.warmup_samples`
 results; a failed warm-up request, or one whose response names another profile or, unless allowed,
 none, stops the run with `WarmupError`), primes the prefix cache with the run's own prompts before
 every run (`client.prime_prompts`: each prompt once with max_tokens 1, untimed; so every profile and
-repeat meets the same cache state, and TTFT is that of cached prompts), runs each (profile, load, repeat), computes overall and
+repeat meets the same cache state, and TTFT is that of cached prompts; `prime=False` skips it), runs each (profile, load, repeat), computes overall and
 per-segment metrics, reads acceptance from the per-response numbers (or from /metrics deltas, which
 are server-wide, when the server gives none), checks which profile each response named, aggregates
 repeats, compares every profile with the first one (the baseline) and lists what could mislead
@@ -61,6 +61,7 @@ class BenchConfig:
     metrics_url: str | None = None
     api_key: str | None = None
     progress: bool = True
+    prime: bool = True  # send each run's prompts once (max_tokens 1, untimed) before it: TTFT of cached prompts
 
 
 def loads_of(cfg: BenchConfig) -> list[dict]:
@@ -111,7 +112,7 @@ def _send_kw(cfg: BenchConfig, profile) -> dict:
 async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) -> tuple[dict, list]:
     prime_failed = await bclient.prime_prompts(
         cl, cfg.base_url, samples, model, concurrency=load["concurrency"] or cfg.max_concurrency or len(samples),
-        **_send_kw(cfg, profile))
+        **_send_kw(cfg, profile)) if cfg.prime else None
     before = await prom.scrape(cl, murl)
     records, wall = await bclient.run_load(
         cl, cfg.base_url, samples, model, concurrency=load["concurrency"], request_rate=load["request_rate"],
@@ -126,7 +127,7 @@ async def _one_run(cl, cfg, samples, model, profile, load, repeat, murl, bar) ->
     check = checks.profile_check(records, profile)
     run = {"profile": profile or "default", "load": load["label"], "concurrency": load["concurrency"],
            "request_rate": _json_num(load["request_rate"]), "repeat": repeat, "wall_s": wall,
-           "prime_failed": prime_failed,
+           "primed": cfg.prime, "prime_failed": prime_failed,
            "served_profiles": sorted({r.served_profile for r in records if r.served_profile}),
            "profile_check": check["status"], "profile_mismatches": check["mismatched"],
            "profile_unnamed": check["unnamed"], "overall": overall, "segments": _segment_metrics(records, cfg.slo),

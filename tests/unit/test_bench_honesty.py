@@ -268,3 +268,48 @@ def test_compare_warns_when_two_runs_sent_different_requests(tmp_path, capsys):
     comp = json.loads(out.strip().splitlines()[-1])[0]
     assert comp["comparable"] is False and [w["kind"] for w in comp["warnings"]] == ["workload_differs"]
     assert "WARNING: the two runs differ in max_tokens (64 vs 8)" in out and "(!)" in out
+
+
+def test_no_prime_sends_no_priming_requests_and_every_output_says_so(tmp_path, capsys):
+    """Priming is labelled in the console and report.html; `--no-prime` sends only the measured requests
+    and, with several profiles, warns that the first profile to send a prompt paid its prefill."""
+    data = _dataset(tmp_path, n=4, prompt=True)
+    server = mockserver.MockServer(continuous_usage=True)
+    with server as url:
+        assert _bench(url, data, tmp_path / "p", "--warmup", "0", "--profile", "baseline", "ngram_4") == 0
+        primed = _outputs(capsys, tmp_path / "p")
+        n_primed = len(server.config.app.state.bodies)
+        assert _bench(url, data, tmp_path / "n", "--warmup", "0", "--profile", "baseline", "ngram_4",
+                      "--no-prime") == 0
+        cold = _outputs(capsys, tmp_path / "n")
+        bodies = server.config.app.state.bodies[n_primed:]
+    assert n_primed == 2 * (4 + 4) and len(bodies) == 2 * 4 and all(b["max_tokens"] > 1 for b in bodies)
+    assert "prompts primed (TTFT of cached prompts)" in primed[0] and "TTFT is that of" in primed[2]
+    assert "not_primed" not in [w["kind"] for w in primed[1]["warnings"]]
+    assert "prompts not primed" in cold[0] and "were not primed" in cold[2]
+    assert all(r["primed"] is False and r["prime_failed"] is None for r in cold[3]["runs"])
+    assert [w["kind"] for w in cold[1]["warnings"]] == ["not_primed"]
+    assert "WARNING: NOT PRIMED (--no-prime)" in cold[0] and "NOT PRIMED" in cold[2]
+
+
+def test_a_speedup_above_the_acceptance_length_is_flagged():
+    """A TPOT speedup larger than the candidate's mean acceptance length (x IMPLAUSIBLE_MARGIN) cannot
+    come from speculation: each step commits at most that many tokens and costs at least a decode. The
+    demo printed 10.87x with an acceptance length of 2.00 when the baseline ran beside other load."""
+    from specserve.bench import checks
+
+    def group(profile, al, seg_al):
+        return {"profile": profile, "load": "c=1", "overall": {"mean_acceptance_length": al},
+                "segments": {"chat": {"mean_acceptance_length": seg_al}, "code": {"mean_acceptance_length": 4.0}}}
+
+    summary = {"groups": [group("baseline", None, None), group("ngram", 2.0, 1.5)],
+               "comparisons": [{"candidate": "ngram", "load": "c=1", "overall": {"speedup": 10.87},
+                                "segments": {"chat": {"speedup": 1.9}, "code": {"speedup": 4.5}}}]}
+    _, warnings = checks.evaluate(summary, [])
+    assert [w["kind"] for w in warnings] == ["implausible_speedup"]
+    msg = warnings[0]["message"]
+    assert "ngram c=1 all: 10.87x with acceptance length 2.00" in msg and "ngram c=1 chat: 1.90x" in msg
+    assert "c=1 code" not in msg  # 4.5x with 4.0 is within the margin
+    summary["comparisons"][0]["overall"]["speedup"] = 2.3  # 2.3 <= 1.2 x 2.0 (+ noise): plausible
+    summary["comparisons"][0]["segments"]["chat"]["speedup"] = 1.1
+    assert checks.evaluate(summary, [])[1] == []
