@@ -4,7 +4,11 @@ What it does: `measure_step_cost` times real forwards through a model's own runn
 runs on (so CPU threading, huge-page weights or CUDA graphs are all in the numbers): one sequence with
 T = 1..16 new tokens (and a sparser grid above), and B sequences of one token each; every point is
 timed `repeats` times in rotating order after a short warm-up (on a CPU by the process's CPU time, on
-CUDA by the wall clock), and the fastest timing kept (`fit`). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
+CUDA by the wall clock), and the fastest timing kept (`fit`). On a CPU the table is then converted to
+wall-clock ms: a forward on T threads spends up to T CPU-ms per wall ms (the 0.5b's decode read 140
+"ms" of CPU time on 2 threads against ~80 ms of wall time), so the CPU times are scaled by the lower
+quartile of the measured wall / CPU-time ratios (`meta["cpu_time_to_wall"]`; the lower quartile, as
+other processes only ever add wall time). `StepCostModel` interpolates those points: forward_ms(T, B) = f(T) + e(B), where f is the one-sequence curve
 (piecewise linear between measured points, linear beyond the last) and e(B) the extra cost of B
 sequences over one sequence of the same token count (attention and metadata per sequence).
 On CUDA that sum does not describe the device: steps run as CUDA graphs bucketed by (sequences, tokens
@@ -19,7 +23,11 @@ GPU at 16 concurrent requests the host work that grows with the drafts (more row
 can cost more than the forward's own growth. On CUDA the engine derives a step's overhead as its wall
 time minus the modelled forward (the launch returns before the GPU finishes). `load_or_measure` caches the measurement as JSON under `$SPECSERVE_HOME/step_cost/`, keyed
 by model checksum, dtype, device, torch version and threads, and a fingerprint of the model code, so a
-new build of the forward is re-measured; `refresh=True` measures again.
+new build of the forward is re-measured; `refresh=True` measures again. A measurement taken while the
+machine was busy (`machine_busy`: the 1-minute load average above BUSY_LOAD_PER_CPU per usable CPU,
+before or after measuring) is used for this run but not cached, with a warning: on a shared 2-core
+machine a table measured beside a test suite read ~5x the idle figures and, cached, was reused until
+cleared.
 What it does not do: choose k (see `specserve.spec_decode.adaptive`), or model the context length
 (the measurement uses one context, `context` tokens already in the KV cache).
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from bisect import bisect_right
@@ -40,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = "specserve.step_cost/2"  # /2: the uniform-batch grid (CUDA); /1 tables are measured again
 RIDGE_TOKENS2 = 4.0  # the overhead fit's ridge term (draft tokens squared), see observe_overhead
+BUSY_LOAD_PER_CPU = 1.5  # machine_busy: more runnable threads than this per usable CPU distort timings
 DENSE_TOKENS = 16  # T = 1..16 are all measured: CPU GEMM kernels step up every few rows
 
 
@@ -150,6 +160,14 @@ class StepCostModel:
         var = max(m[2] - m[0] * m[0], 0.0)
         self.draft_overhead_ms = max((m[3] - m[0] * m[1]) / (var + RIDGE_TOKENS2), 0.0)
         self.overhead_ms = max(m[1] - self.draft_overhead_ms * m[0], 0.0)
+
+    def scaled(self, factor: float) -> "StepCostModel":
+        """The same table with every measured ms (token_ms, seq_extra_ms, batch_ms) times `factor`, e.g.
+        CPU-time ms to wall ms; the online overhead fit starts anew."""
+        return StepCostModel(list(self.tokens), [x * factor for x in self.token_ms], list(self.seqs),
+                             [x * factor for x in self.seq_extra_ms], 0.0, dict(self.meta),
+                             batch_seqs=list(self.batch_seqs), batch_qlens=list(self.batch_qlens),
+                             batch_ms=[[x * factor for x in row] for row in self.batch_ms])
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -299,9 +317,11 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
         for s in slots:
             runner.forward([SeqInput(s, 0, ctx_ids, 1)])
         # On a CPU the process's CPU time, not the wall clock: on a shared machine the wall clock also
-        # counts the turns of other processes, which drown the differences between token counts.
+        # counts the turns of other processes, which drown the differences between token counts. The
+        # wall / CPU-time ratio of every forward converts the table to wall ms afterwards.
         cuda = dev.type == "cuda"
         clock = time.perf_counter if cuda else time.process_time
+        wall_per_cpu: list[float] = []
 
         def run_forward(per_seq: list[int]) -> float:
             seqs_in = []
@@ -310,11 +330,14 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
                 seqs_in.append(SeqInput(s, context, [(11 + j) % vocab for j in range(n)], n))
             if cuda:
                 torch.cuda.synchronize(dev)
-            t0 = clock()
+            t0, w0 = clock(), time.perf_counter()
             runner.forward(seqs_in)
             if cuda:
                 torch.cuda.synchronize(dev)
-            return 1000 * (clock() - t0)
+            ms = 1000 * (clock() - t0)
+            if not cuda and ms > 0:
+                wall_per_cpu.append(1000 * (time.perf_counter() - w0) / ms)
+            return ms
 
         t0 = time.perf_counter()
         # on CUDA, decode and verify steps replay graphs bucketed by (sequences, tokens per sequence)
@@ -324,7 +347,15 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
     finally:
         for s in slots:
             kv.free(s)
-    cm.meta.update(measurement_meta(model), context=context, clock="wall" if cuda else "process cpu time",
+    clock_name = "wall"
+    if not cuda and wall_per_cpu:
+        ratios = sorted(wall_per_cpu)
+        factor = ratios[len(ratios) // 4]
+        meta = cm.meta
+        cm = cm.scaled(factor)
+        cm.meta = {**meta, "cpu_time_to_wall": round(factor, 4)}
+        clock_name = "process cpu time x cpu_time_to_wall"
+    cm.meta.update(measurement_meta(model), context=context, clock=clock_name,
                    measure_s=round(time.perf_counter() - t0, 2), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return cm
 
@@ -387,9 +418,24 @@ def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path
     return home() / "step_cost" / f"{safe}-{digest}.json"
 
 
+def machine_busy() -> str | None:
+    """Why timings taken now would not be the device's own, or None: the 1-minute load average is above
+    BUSY_LOAD_PER_CPU x the CPUs this process may run on (other work competes for them). None where the
+    load average is unavailable."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load > BUSY_LOAD_PER_CPU * cpus:
+        return f"load average {load:.1f} on {cpus} CPU{'s' if cpus > 1 else ''}"
+    return None
+
+
 def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int = 256, repeats: int = 3,
                     refresh: bool = False) -> StepCostModel:
-    """The cached measurement of `model` on this device, or a new one (written to the cache).
+    """The cached measurement of `model` on this device, or a new one (written to the cache unless the
+    machine was busy while it was taken, see `machine_busy`; then `meta["busy"]` says why).
 
     A cache file that cannot be read is measured again; one that cannot be written only logs a warning.
     """
@@ -402,7 +448,14 @@ def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int 
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("step cost cache %s is unreadable (%s); measuring again", path, e)
     logger.info("measuring the step cost of %s on %s (once per model, dtype and device)", model.files.name, model.device)
+    busy = machine_busy()
     cm = measure_model(model, max_tokens=max_tokens, max_seqs=max_seqs, context=context, repeats=repeats)
+    busy = busy or machine_busy()
+    if busy:
+        cm.meta["busy"] = busy
+        logger.warning("the step cost of %s was measured while the machine was busy (%s): used for this run, "
+                       "not cached; it is measured again at the next start (%s)", model.files.name, busy, cm.summary())
+        return cm
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

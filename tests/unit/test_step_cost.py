@@ -5,7 +5,9 @@ import json
 import math
 
 import pytest
+import torch
 
+from specserve.engine import step_cost
 from specserve.engine.step_cost import (
     StepCostModel, fit, load_or_measure, measure, measure_model, qlen_grid, seq_grid, token_grid,
 )
@@ -124,11 +126,14 @@ def test_measure_model_on_a_tiny_model_and_cache(tiny_model_dir, tmp_path, monke
     from specserve import LLM
 
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    monkeypatch.setattr(step_cost, "machine_busy", lambda: None)  # caching is the subject, whatever the load
     llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
     target = llm.engine.target
     cm = measure_model(target, max_tokens=20, max_seqs=4, context=32, repeats=2, target_s=0.0)
     assert cm.tokens == token_grid(20) and cm.seqs == [1, 2, 4]
-    assert min(cm.token_ms) > 0 and cm.meta["clock"] == "process cpu time"
+    assert min(cm.token_ms) > 0 and cm.meta["clock"] == "process cpu time x cpu_time_to_wall"
+    # CPU time over T threads converted to wall ms: at most 1 wall ms per CPU-ms (and not absurdly less)
+    assert 1.0 / (4 * torch.get_num_threads()) < cm.meta["cpu_time_to_wall"] <= 1.05
     assert target.kv.num_free_slots == 4 and target.kv.num_used_tokens == 0  # slots given back
     assert cm.meta["device"] == "cpu" and cm.meta["context"] == 32 and cm.meta["checksum"]
 
@@ -189,3 +194,28 @@ def test_overhead_slope_from_a_few_slow_early_steps_fades():
     for _ in range(200):
         cm.observe_overhead(0.3, 0)
     assert cm.draft_overhead_ms < 0.01 and cm.overhead_ms == pytest.approx(0.3, abs=0.05)
+
+
+def test_a_step_cost_measured_on_a_busy_machine_is_used_but_not_cached(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    from specserve import LLM
+
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
+    llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
+    target = llm.engine.target
+    monkeypatch.setattr(step_cost.os, "getloadavg", lambda: (99.0, 1.0, 1.0))
+    with caplog.at_level("WARNING", logger=step_cost.logger.name):
+        cm = load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1)
+    assert cm.token_ms[0] > 0 and "load average 99.0" in cm.meta["busy"]
+    assert not list(tmp_path.glob("step_cost/*.json"))
+    assert "busy" in caplog.text and "not cached" in caplog.text
+    monkeypatch.setattr(step_cost.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    again = load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1)
+    assert "busy" not in again.meta and len(list((tmp_path / "step_cost").glob("*.json"))) == 1
+
+
+def test_scaled_multiplies_every_measured_time():
+    cm = fit({1: [10.0], 2: [12.0]}, {2: [15.0]}, {"x": 1}, {(2, 1): [16.0], (2, 2): [20.0]})
+    half = cm.scaled(0.5)
+    assert half.token_ms == [5.0, 6.0] and half.batch_ms == [[8.0, 10.0]] and half.meta == {"x": 1}
+    assert half.forward_ms(1) == pytest.approx(cm.forward_ms(1) / 2)
+    assert half.forward_ms(4, 2) == pytest.approx(cm.forward_ms(4, 2) / 2)
