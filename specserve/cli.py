@@ -260,7 +260,8 @@ def _cmd_step_cost(args: argparse.Namespace) -> int:
     cm = engine.step_cost(refresh=args.refresh)
     base = cm.forward_ms(1)
     print(f"{engine.model_name} on {engine.device} ({cm.meta.get('dtype')}, {cm.meta.get('threads')} threads), "
-          f"context {cm.meta.get('context')} tokens, {cm.meta.get('repeats')} rounds; cache {cm.meta.get('cache')}")
+          f"context {cm.meta.get('context')} tokens, {cm.meta.get('repeats')} rounds; cache {cm.meta.get('cache')}"
+          + (f" (not cached: measured while the machine was busy, {cm.meta['busy']})" if cm.meta.get("busy") else ""))
     print(f"{'new tokens':>10} {'ms':>9} {'x decode':>9}")
     for t, ms in zip(cm.tokens, cm.token_ms):
         print(f"{t:>10} {ms:>9.1f} {ms / base:>9.2f}")

@@ -4,10 +4,11 @@ Two hot paths of the engine are C++ (`specserve/model/panel_linear.cpp`, the CPU
 `specserve/spec_decode/suffix_tree.cpp`, the suffix proposer's tree). Each is one source file built with
 torch.utils.cpp_extension (gcc and ninja; the `ninja` wheel is a dependency) with -O3 -march=native, so
 the build directory is named after a hash of the source, the flags, this CPU's instruction-set flags, the
-torch version and install folder, and the Python ABI (EXT_SUFFIX): another CPU type, torch, Python or
-virtual environment compiles anew, an unchanged one loads in well under a second. (The install folder
-is in the hash because torch writes its include paths into the folder's build.ninja: two checkouts
-with their own venvs sharing one folder would rewrite it, and rebuild, on every alternate load.) The cache lives under ~/.cache/specserve/kernels
+torch version and install folder, and the Python ABI (EXT_SUFFIX) and include folder: another CPU
+type, torch, Python or virtual environment compiles anew, an unchanged one loads in well under a
+second. (The install and include folders are in the hash because torch writes them into the folder's
+build.ninja: two checkouts with their own venvs sharing one folder would rewrite it, and rebuild, on
+every alternate load.) The cache lives under ~/.cache/specserve/kernels
 (SPECSERVE_KERNEL_DIR overrides).
 
 A build that fails is remembered with its reason (the first line that reports an error); every later
@@ -78,6 +79,7 @@ class NativeExtension:
         digest = hashlib.sha256()
         for part in (self.source.read_bytes(), " ".join(self.cflags).encode(), _cpu_flags().encode(),
                      torch.__version__.encode(), str(Path(torch.__file__).resolve().parent).encode(),
+                     str(sysconfig.get_paths().get("include")).encode(),
                      str(sysconfig.get_config_var("EXT_SUFFIX")).encode()):
             digest.update(part)
         return f"{self.name}_{digest.hexdigest()[:16]}"

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from specserve.engine import step_cost
 from tests.helpers.tiny_model import make_tiny_model
+
+MACHINE_BUSY = step_cost.machine_busy  # the real check, for the test of it
+
+
+@pytest.fixture(autouse=True)
+def _machine_never_busy(monkeypatch):
+    """Whether a step cost is cached must not depend on the CI machine's load (`machine_busy`, the load
+    average): every test sees an idle machine unless it puts MACHINE_BUSY back."""
+    monkeypatch.setattr(step_cost, "machine_busy", lambda: None)
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,11 @@ def instrument_adaptive(ad, log: StepLog) -> None:
             log.cur["decision"] = ("rest" if resting else "hold" if holding
                                    else "drafts" if any(p.token_ids for p in out) else "none")
         if ad.last_choice is not None:  # this step chose: what the choice expected (ms of the step, tokens)
-            log.cur["pred_ms"], log.cur["pred_tokens"] = ad.last_choice.step_ms, ad.last_choice.expected_tokens
+            # the choice counts its options' tokens; every other sequence of the step commits one (its
+            # accepted drafts, for a configured k, are not in the expectation)
+            others = kw.get("num_other_seqs", 0) + n_adaptive - len(ad.last_choice.ks)
+            log.cur["pred_ms"] = ad.last_choice.step_ms
+            log.cur["pred_tokens"] = ad.last_choice.expected_tokens + others
         return out
 
     ad.draft = wrapped

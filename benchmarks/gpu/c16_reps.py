@@ -90,6 +90,12 @@ def main() -> None:
                 names.remove(n)
                 out.setdefault("failed", {})[n] = f"{type(e).__name__}: {e}"
                 print(f"{target} {n} failed in its warm-up run: {type(e).__name__}: {e}", flush=True)
+                for rid in list(eng.requests):  # its requests must not run in the next profile's runs
+                    eng.abort_request(rid)
+                while eng.has_unfinished_requests():
+                    eng.step()
+                if n == "baseline":
+                    raise SystemExit(f"{target}: the baseline failed, nothing to compare with") from e
         for mode in args.modes.split(","):
             if mode == "gc_freeze":
                 gc.collect()

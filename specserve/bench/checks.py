@@ -9,9 +9,10 @@ numbers are not what their labels say: `specserve bench` exits 1 unless the user
   (a warning): a profile the server runs with a suffix tree ran the same prompts more than once, so
   its later runs may replay its earlier answers; `not_primed` (a warning): runs of several profiles
   without the priming (`--no-prime`), so the first profile to send a prompt paid its prefill;
-  `implausible_speedup` (a warning): a TPOT speedup above IMPLAUSIBLE_MARGIN x the candidate's mean
-  acceptance length, more than a step that commits that many tokens and costs at least a decode can
-  give: the baseline's run was slowed by something else (load on the machine);
+  `implausible_speedup` (a warning): at concurrency 1, a TPOT speedup above IMPLAUSIBLE_MARGIN x what
+  the candidate's accepted tokens allow (`_bound`: tokens per step, every step costing at least a
+  decode), against a reference that drafted nothing: the reference's run was slowed by something else
+  (other load on the machine, a colder cache);
 - `profile_unverified`: `--profile` was given but no response named the profile that served it (vLLM
   answers 200 to a `profile` field and an `x-specserve-profile` header and ignores both), so runs
   labelled with different profiles may be the same configuration (a problem unless
@@ -30,7 +31,7 @@ from __future__ import annotations
 from specserve.bench.metrics import ok
 
 SERVER_WIDE = "server-wide, includes other traffic"
-IMPLAUSIBLE_MARGIN = 1.2  # speedup / acceptance length above this: not speculation's doing (noise allowed for)
+IMPLAUSIBLE_MARGIN = 1.2  # speedup / `_bound` above this: not speculation's doing (noise allowed for)
 
 
 def profile_check(records, profile: str | None) -> dict:
@@ -64,20 +65,39 @@ def _names(groups, pred) -> str:
     return ", ".join(dict.fromkeys(f"{g['profile']} {g['load']}" for g in groups if pred(g)))
 
 
+def _bound(m: dict) -> float | None:
+    """The most a speculative group's TPOT can gain over plain decoding from its own acceptance, if
+    every step cost what a plain decode step costs: output tokens after the first (D = output tokens -
+    successful requests) over the steps that committed them (D - accepted tokens; every step commits 1
+    plus its accepted drafts, whether it drafted or not). None without per-response acceptance."""
+    if m.get("acceptance_source") == "metrics_delta":  # server-wide: other traffic's acceptance
+        return None
+    d = (m.get("output_tokens") or 0) - (m.get("num_ok") or 0)
+    a = m.get("num_accepted_tokens")
+    if a is None or d <= 0 or a >= d:
+        return None
+    return d / (d - a)
+
+
 def _implausible(summary: dict) -> list[str]:
-    """'profile load segment: speedup with acceptance length L' for every comparison (overall and per
-    segment) whose TPOT speedup exceeds IMPLAUSIBLE_MARGIN x the candidate's mean acceptance length."""
+    """'profile load segment: speedup, bound' for every comparison at concurrency 1 (overall and per
+    segment) whose TPOT speedup exceeds IMPLAUSIBLE_MARGIN x `_bound` of the candidate, when the
+    reference drafted nothing and the prompts were primed. Concurrency 1 only: with more requests in
+    flight a candidate's requests can decode in smaller, cheaper batches than the reference's (its
+    other requests finished sooner), which no acceptance figure bounds."""
     groups = {(g["profile"], g["load"]): g for g in summary.get("groups", [])}
+    primed = all(r.get("primed", True) for r in summary.get("runs", []))
     out = []
     for c in summary.get("comparisons") or []:
-        g = groups.get((c["candidate"], c["load"]))
-        if g is None:
+        g, ref = groups.get((c["candidate"], c["load"])), groups.get((c["baseline"], c["load"]))
+        if g is None or ref is None or g.get("concurrency", 1) != 1 or not primed or ref["overall"].get("num_drafts"):
             continue
         for seg, cm in [("all", c["overall"]), *c.get("segments", {}).items()]:
             m = g["overall"] if seg == "all" else g["segments"].get(seg, {})
-            sp, al = cm.get("speedup"), m.get("mean_acceptance_length")
-            if sp is not None and al is not None and sp > IMPLAUSIBLE_MARGIN * max(al, 1.0):
-                out.append(f"{c['candidate']} {c['load']} {seg}: {sp:.2f}x with acceptance length {al:.2f}")
+            sp, bound = cm.get("speedup"), _bound(m)
+            if sp is not None and bound is not None and sp > IMPLAUSIBLE_MARGIN * bound:
+                out.append(f"{c['candidate']} {c['load']} {seg}: {sp:.2f}x where its acceptance allows at most "
+                           f"{bound:.2f}x")
     return out
 
 
@@ -119,16 +139,16 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
                             + ", ".join(f"{r['profile']} {r['load']} #{r['repeat']} ({r['prime_failed']})" for r in prime_bad)
                             + ": those runs may have met a colder prefix cache than the others", False)
     cold = [r for r in summary.get("runs", []) if r.get("primed") is False]
-    if cold and len({r["profile"] for r in summary.get("runs", [])}) > 1:
-        add("not_primed", "NOT PRIMED (--no-prime): the first profile to send a prompt paid its prefill, in its "
-                          "TTFT and, at concurrency > 1, in the other requests' TPOT; later profiles met those "
-                          "prompts in the prefix cache", False)
+    if cold and len(summary.get("runs", [])) > 1:
+        add("not_primed", "NOT PRIMED (--no-prime): the first run to send a prompt paid its prefill, in its "
+                          "TTFT and, at concurrency > 1, in the other requests' TPOT; later runs (other profiles, "
+                          "loads, repeats) met those prompts in the prefix cache", False)
     implausible = _implausible(summary)
     if implausible:
-        add("implausible_speedup", "IMPLAUSIBLE: TPOT speedup above what the acceptance allows ("
-                                   + "; ".join(implausible) + "): a step that commits the mean acceptance length in "
-                                   "tokens and costs at least a decode step cannot give more, so the baseline's run was "
-                                   "slowed by something else (other load on the machine); rerun on a quiet machine, "
+        add("implausible_speedup", "IMPLAUSIBLE: TPOT speedup above what the accepted tokens allow ("
+                                   + "; ".join(implausible) + "; each step commits 1 + its accepted tokens and costs "
+                                   "at least a plain decode step), so the reference's run was slowed by something "
+                                   "else (other load on the machine, a colder cache); rerun on a quiet machine, "
                                    "with --repeats", False)
     mism = [g for g in groups if g.get("profile_check") == "mismatch"]
     if mism:

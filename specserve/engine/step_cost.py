@@ -420,13 +420,15 @@ def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path
 
 def machine_busy() -> str | None:
     """Why timings taken now would not be the device's own, or None: the 1-minute load average is above
-    BUSY_LOAD_PER_CPU x the CPUs this process may run on (other work competes for them). None where the
-    load average is unavailable."""
+    BUSY_LOAD_PER_CPU x the machine's CPUs (other work competes for them). Both are host-wide (in a
+    container limited to a few CPUs of a big host, the host's load against that cpuset would read
+    "busy" forever). The average lags by about a minute and counts this process's own threads (up to
+    one per CPU while it measures), hence 1.5 per CPU. None where the load average is unavailable."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = os.cpu_count() or 1
     if load > BUSY_LOAD_PER_CPU * cpus:
         return f"load average {load:.1f} on {cpus} CPU{'s' if cpus > 1 else ''}"
     return None

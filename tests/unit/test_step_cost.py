@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from specserve.engine import step_cost
 from specserve.engine.step_cost import (
@@ -126,14 +125,12 @@ def test_measure_model_on_a_tiny_model_and_cache(tiny_model_dir, tmp_path, monke
     from specserve import LLM
 
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
-    monkeypatch.setattr(step_cost, "machine_busy", lambda: None)  # caching is the subject, whatever the load
     llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
     target = llm.engine.target
     cm = measure_model(target, max_tokens=20, max_seqs=4, context=32, repeats=2, target_s=0.0)
     assert cm.tokens == token_grid(20) and cm.seqs == [1, 2, 4]
     assert min(cm.token_ms) > 0 and cm.meta["clock"] == "process cpu time x cpu_time_to_wall"
-    # CPU time over T threads converted to wall ms: at most 1 wall ms per CPU-ms (and not absurdly less)
-    assert 1.0 / (4 * torch.get_num_threads()) < cm.meta["cpu_time_to_wall"] <= 1.05
+    assert cm.meta["cpu_time_to_wall"] > 0  # its value depends on the machine's load; see the fake-clock test
     assert target.kv.num_free_slots == 4 and target.kv.num_used_tokens == 0  # slots given back
     assert cm.meta["device"] == "cpu" and cm.meta["context"] == 32 and cm.meta["checksum"]
 
@@ -202,6 +199,9 @@ def test_a_step_cost_measured_on_a_busy_machine_is_used_but_not_cached(tiny_mode
     monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path))
     llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
     target = llm.engine.target
+    from tests.conftest import MACHINE_BUSY
+
+    monkeypatch.setattr(step_cost, "machine_busy", MACHINE_BUSY)
     monkeypatch.setattr(step_cost.os, "getloadavg", lambda: (99.0, 1.0, 1.0))
     with caplog.at_level("WARNING", logger=step_cost.logger.name):
         cm = load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1)
@@ -219,3 +219,30 @@ def test_scaled_multiplies_every_measured_time():
     assert half.token_ms == [5.0, 6.0] and half.batch_ms == [[8.0, 10.0]] and half.meta == {"x": 1}
     assert half.forward_ms(1) == pytest.approx(cm.forward_ms(1) / 2)
     assert half.forward_ms(4, 2) == pytest.approx(cm.forward_ms(4, 2) / 2)
+    assert half.seq_extra_ms == [x / 2 for x in cm.seq_extra_ms] and cm.seq_extra_ms[1] > 0
+
+
+def test_a_cpu_table_is_converted_to_wall_ms(tiny_model_dir, monkeypatch):
+    """CPU time on 2 busy threads runs twice as fast as the wall clock: a fake clock pair where every
+    forward takes 1 CPU-ms and 0.5 wall ms gives a table of 0.5 ms per forward, cpu_time_to_wall 0.5."""
+    import time as real_time
+    import types
+
+    from specserve import LLM
+
+    llm = LLM(str(tiny_model_dir), max_model_len=128, max_num_seqs=4)
+    clock = {"cpu": 0.0, "wall": 0.0}
+
+    def process_time():
+        clock["cpu"] += 0.001
+        return clock["cpu"]
+
+    def perf_counter():
+        clock["wall"] += 0.0005
+        return clock["wall"]
+
+    monkeypatch.setattr(step_cost, "time", types.SimpleNamespace(process_time=process_time, perf_counter=perf_counter,
+                                                                 strftime=real_time.strftime))
+    cm = measure_model(llm.engine.target, max_tokens=4, max_seqs=2, context=8, repeats=1, target_s=0.0)
+    assert cm.meta["cpu_time_to_wall"] == pytest.approx(0.5)
+    assert cm.token_ms == pytest.approx([0.5] * 4)  # 1 CPU-ms per forward read as 0.5 wall ms
