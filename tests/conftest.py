@@ -14,7 +14,7 @@ MACHINE_BUSY = step_cost.machine_busy  # the real check, for the test of it
 def _machine_never_busy(monkeypatch):
     """Whether a step cost is cached must not depend on the CI machine's load (`machine_busy`, the load
     average): every test sees an idle machine unless it puts MACHINE_BUSY back."""
-    monkeypatch.setattr(step_cost, "machine_busy", lambda: None)
+    monkeypatch.setattr(step_cost, "machine_busy", lambda measured=None: None)
 
 
 @pytest.fixture(scope="session")

@@ -145,11 +145,11 @@ def evaluate(summary: dict, rows: list[dict], *, allow_errors: bool = False, all
                           "loads, repeats) met those prompts in the prefix cache", False)
     implausible = _implausible(summary)
     if implausible:
-        add("implausible_speedup", "IMPLAUSIBLE: TPOT speedup above what the accepted tokens allow ("
-                                   + "; ".join(implausible) + "; each step commits 1 + its accepted tokens and costs "
-                                   "at least a plain decode step), so the reference's run was slowed by something "
-                                   "else (other load on the machine, a colder cache); rerun on a quiet machine, "
-                                   "with --repeats", False)
+        add("implausible_speedup", f"IMPLAUSIBLE: TPOT speedup more than {IMPLAUSIBLE_MARGIN}x above what the "
+                                   "accepted tokens allow (" + "; ".join(implausible) + "; each step commits 1 + its "
+                                   "accepted tokens and costs at least a plain decode step), so the reference's run "
+                                   "was slowed by something else (other load on the machine, a colder cache); rerun "
+                                   "on a quiet machine (`specserve bench --repeats N` shows the spread)", False)
     mism = [g for g in groups if g.get("profile_check") == "mismatch"]
     if mism:
         add("profile_mismatch", f"PROFILE MISMATCH: responses named another profile than requested in "

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prime", action="store_true",
                    help="do not send each run's prompts once (max_tokens 1, untimed) before the run; by default "
                         "they are, so every profile meets the prefix cache alike and TTFT is that of cached "
-                        "prompts. Without it the first profile to send a prompt pays its prefill (a WARNING says so)")
+                        "prompts. Without priming the first run to send a prompt pays its prefill (a WARNING says so)")
     p.add_argument("--allow-errors", action="store_true",
                    help="accept failed requests (warm-up included): the run is still marked FAILED in every output "
                         "but exits 0")

@@ -24,10 +24,10 @@ can cost more than the forward's own growth. On CUDA the engine derives a step's
 time minus the modelled forward (the launch returns before the GPU finishes). `load_or_measure` caches the measurement as JSON under `$SPECSERVE_HOME/step_cost/`, keyed
 by model checksum, dtype, device, torch version and threads, and a fingerprint of the model code, so a
 new build of the forward is re-measured; `refresh=True` measures again. A measurement taken while the
-machine was busy (`machine_busy`: the 1-minute load average above BUSY_LOAD_PER_CPU per usable CPU,
-before or after measuring) is used for this run but not cached, with a warning: on a shared 2-core
-machine a table measured beside a test suite read ~5x the idle figures and, cached, was reused until
-cleared.
+machine was busy (`machine_busy`: the 1-minute load average above BUSY_LOAD_PER_CPU per CPU, before
+or after measuring, or a multi-threaded CPU measurement whose threads did not run side by side) is
+used for this run but not cached, with a warning: on a shared 2-core machine a table measured beside
+a test suite read ~5x the idle figures and, cached, was reused until cleared.
 What it does not do: choose k (see `specserve.spec_decode.adaptive`), or model the context length
 (the measurement uses one context, `context` tokens already in the KV cache).
 """
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = "specserve.step_cost/2"  # /2: the uniform-batch grid (CUDA); /1 tables are measured again
 RIDGE_TOKENS2 = 4.0  # the overhead fit's ridge term (draft tokens squared), see observe_overhead
-BUSY_LOAD_PER_CPU = 1.5  # machine_busy: more runnable threads than this per usable CPU distort timings
+BUSY_LOAD_PER_CPU = 1.5  # machine_busy: more runnable threads than this per CPU distort timings
+UNPARALLEL_WALL_PER_CPU = 0.8  # machine_busy: a multi-threaded CPU forward this close to 1 wall ms per CPU-ms
 DENSE_TOKENS = 16  # T = 1..16 are all measured: CPU GEMM kernels step up every few rows
 
 
@@ -191,7 +192,7 @@ class StepCostModel:
         base = self.forward_ms(1)
         ks = [k for k in (1, 2, 3, 4, 5, 8, 12, 16) if 1 + k <= self.tokens[-1] + 1]
         rel = " ".join(f"k={k}:{self.forward_ms(1 + k) / base:.2f}x" for k in ks)
-        return f"decode {base:.1f} ms; verify 1+k tokens vs decode: {rel}"
+        return f"decode {base:.1f} ms (wall); verify 1+k tokens vs decode: {rel}"
 
 
 def token_grid(max_tokens: int) -> list[int]:
@@ -418,12 +419,23 @@ def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path
     return home() / "step_cost" / f"{safe}-{digest}.json"
 
 
-def machine_busy() -> str | None:
-    """Why timings taken now would not be the device's own, or None: the 1-minute load average is above
-    BUSY_LOAD_PER_CPU x the machine's CPUs (other work competes for them). Both are host-wide (in a
-    container limited to a few CPUs of a big host, the host's load against that cpuset would read
-    "busy" forever). The average lags by about a minute and counts this process's own threads (up to
-    one per CPU while it measures), hence 1.5 per CPU. None where the load average is unavailable."""
+def machine_busy(measured: "StepCostModel | None" = None) -> str | None:
+    """Why timings taken now would not be the device's own, or None.
+
+    - The 1-minute load average is above BUSY_LOAD_PER_CPU x the machine's CPUs (other work competes
+      for them). Both are host-wide (in a container limited to a few CPUs of a big host, the host's
+      load against that cpuset would read "busy" forever). The average lags by about a minute and
+      counts this process's own threads (up to one per CPU while it measures), hence 1.5 per CPU.
+    - Or, for a CPU measurement (`measured`) with two or more threads: its forwards did not run their
+      threads side by side (`cpu_time_to_wall` above UNPARALLEL_WALL_PER_CPU). On 2 idle cores the 0.5b's
+      forwards take 0.50 wall ms per CPU-ms; beside other work, threads that spin while waiting for
+      a core inflate the CPU time too (0.96 and a decode read 631 ms against 72 ms idle, at a load
+      average of 2.1-2.95 on 2 CPUs, under the first rule's threshold).
+    None where neither applies (or the load average is unavailable)."""
+    if measured is not None:
+        ratio, threads = measured.meta.get("cpu_time_to_wall"), measured.meta.get("threads") or 1
+        if ratio is not None and threads >= 2 and ratio > UNPARALLEL_WALL_PER_CPU:
+            return f"{threads} threads but {ratio:.2f} wall ms per CPU-ms: they did not run side by side"
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -452,7 +464,7 @@ def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int 
     logger.info("measuring the step cost of %s on %s (once per model, dtype and device)", model.files.name, model.device)
     busy = machine_busy()
     cm = measure_model(model, max_tokens=max_tokens, max_seqs=max_seqs, context=context, repeats=repeats)
-    busy = busy or machine_busy()
+    busy = busy or machine_busy(cm)
     if busy:
         cm.meta["busy"] = busy
         logger.warning("the step cost of %s was measured while the machine was busy (%s): used for this run, "

@@ -209,8 +209,22 @@ def test_a_step_cost_measured_on_a_busy_machine_is_used_but_not_cached(tiny_mode
     assert not list(tmp_path.glob("step_cost/*.json"))
     assert "busy" in caplog.text and "not cached" in caplog.text
     monkeypatch.setattr(step_cost.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(step_cost, "UNPARALLEL_WALL_PER_CPU", 99.0)  # the tiny model hardly uses its threads
     again = load_or_measure(target, max_tokens=8, max_seqs=2, context=16, repeats=1)
     assert "busy" not in again.meta and len(list((tmp_path / "step_cost").glob("*.json"))) == 1
+
+
+def test_threads_that_did_not_run_side_by_side_make_a_cpu_measurement_busy(monkeypatch):
+    from tests.conftest import MACHINE_BUSY
+
+    monkeypatch.setattr(step_cost.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    cm = fit({1: [10.0]}, {})
+    cm.meta.update(threads=2, cpu_time_to_wall=0.96)
+    assert "did not run side by side" in MACHINE_BUSY(cm)
+    cm.meta.update(cpu_time_to_wall=0.5)
+    assert MACHINE_BUSY(cm) is None
+    cm.meta.update(threads=1, cpu_time_to_wall=1.0)  # one thread: 1 wall ms per CPU-ms is its normal
+    assert MACHINE_BUSY(cm) is None and MACHINE_BUSY() is None
 
 
 def test_scaled_multiplies_every_measured_time():
