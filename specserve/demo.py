@@ -259,7 +259,8 @@ def print_results(demo: dict) -> int:
 
     table, files, t = demo["rows"], demo["files"], demo["timings_s"]
     print_profile_table(table, f"specserve demo | {demo['model']} | {demo['num_requests_per_profile']} requests "
-                               f"per profile, greedy, max_tokens {demo['max_tokens']}")
+                               f"per profile, greedy, max_tokens {demo['max_tokens']}, prompts primed "
+                               "(TTFT of cached prompts)")
     greedy = [r["greedy_match"] for r in table if r["segment"] == "all" and r["greedy_match"]]
     same, total = sum(g[0] for g in greedy), sum(g[1] for g in greedy)
     demo["greedy_match"] = {"identical": same, "compared": total, "ok": same == total and total > 0}
