@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine: join the GGUF parts that earlier calls copied into /root/models/NAME/
 # (`split -b 55m -d -a 2 FILE part` here: a 60 MiB part plus the ~7 MiB working tree exceeds the 64 MiB a
-# call carries; one part per call, DESIGN.md section 8) into
+# call carries; one part per call, docs/gpu-notes.md) into
 # /root/models/NAME.gguf, print its sha256 and convert it into $SPECSERVE_HOME (default /root/ss):
 # a file whose sha256 is a catalog model's becomes that catalog name (specserve.hub.resolve_model).
 # Writes /root/models/NAME.done when the conversion finished (NAME.failed when a step failed), so a

@@ -32,6 +32,7 @@ from specserve.bench.metrics import ok
 
 SERVER_WIDE = "server-wide, includes other traffic"
 IMPLAUSIBLE_MARGIN = 1.2  # speedup / `_bound` above this: not speculation's doing (noise allowed for)
+IMPLAUSIBLE_MIN_MS = 2000.0  # the reference's decode time (TPOT x tokens) below which timer jitter rules
 
 
 def profile_check(records, profile: str | None) -> dict:
@@ -82,7 +83,9 @@ def _bound(m: dict) -> float | None:
 def _implausible(summary: dict) -> list[str]:
     """'profile load segment: speedup, bound' for every comparison at concurrency 1 (overall and per
     segment) whose TPOT speedup exceeds IMPLAUSIBLE_MARGIN x `_bound` of the candidate, when the
-    reference drafted nothing and the prompts were primed. Concurrency 1 only: with more requests in
+    reference drafted nothing, the prompts were primed and the reference decoded for at least
+    IMPLAUSIBLE_MIN_MS there (a few tokens of a tiny model take ~1 ms each, and one scheduling hiccup
+    then reads as a 40x speedup). Concurrency 1 only: with more requests in
     flight a candidate's requests can decode in smaller, cheaper batches than the reference's (its
     other requests finished sooner), which no acceptance figure bounds."""
     groups = {(g["profile"], g["load"]): g for g in summary.get("groups", [])}
@@ -94,6 +97,10 @@ def _implausible(summary: dict) -> list[str]:
             continue
         for seg, cm in [("all", c["overall"]), *c.get("segments", {}).items()]:
             m = g["overall"] if seg == "all" else g["segments"].get(seg, {})
+            r = ref["overall"] if seg == "all" else ref["segments"].get(seg, {})
+            decode_ms = (r.get("tpot_ms_agg") or 0.0) * ((r.get("output_tokens") or 0) - (r.get("num_ok") or 0))
+            if decode_ms < IMPLAUSIBLE_MIN_MS:
+                continue
             sp, bound = cm.get("speedup"), _bound(m)
             if sp is not None and bound is not None and sp > IMPLAUSIBLE_MARGIN * bound:
                 out.append(f"{c['candidate']} {c['load']} {seg}: {sp:.2f}x where its acceptance allows at most "

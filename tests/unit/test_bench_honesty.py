@@ -303,14 +303,15 @@ def test_a_speedup_above_what_the_accepted_tokens_allow_is_flagged():
     def m(out, ok, acc, drafts=None):  # output tokens, successful requests, accepted tokens
         return {"output_tokens": out, "num_ok": ok, "num_accepted_tokens": acc, "num_drafts": drafts}
 
-    def summary(speedup, chat_speedup, concurrency=1, ref_drafts=None, primed=True, source=None):
+    def summary(speedup, chat_speedup, concurrency=1, ref_drafts=None, primed=True, source=None, tpot=80.0):
         cand = {"profile": "ngram", "load": "c=1", "concurrency": concurrency,
                 "overall": {**m(104, 4, 50, 40), "acceptance_source": source},  # 100 tokens in 50 steps: <= 2x
                 "segments": {"chat": m(52, 2, 10, 20), "code": m(52, 2, 40, 20)}}  # chat <= 50/40 = 1.25x, code 5x
         if source:  # server-wide acceptance has no per-segment counts
             cand["segments"] = {"chat": m(52, 2, None), "code": m(52, 2, None)}
-        ref = {"profile": "baseline", "load": "c=1", "concurrency": concurrency, "overall": m(104, 4, 0, ref_drafts),
-               "segments": {"chat": m(52, 2, 0), "code": m(52, 2, 0)}}
+        ref = {"profile": "baseline", "load": "c=1", "concurrency": concurrency,  # 100 tokens at 80 ms: 8 s
+               "overall": {**m(104, 4, 0, ref_drafts), "tpot_ms_agg": 80.0},
+               "segments": {"chat": {**m(52, 2, 0), "tpot_ms_agg": 80.0}, "code": {**m(52, 2, 0), "tpot_ms_agg": tpot}}}
         return {"groups": [ref, cand], "runs": [{"profile": "ngram", "primed": primed}],
                 "comparisons": [{"baseline": "baseline", "candidate": "ngram", "load": "c=1",
                                  "overall": {"speedup": speedup},
@@ -322,6 +323,12 @@ def test_a_speedup_above_what_the_accepted_tokens_allow_is_flagged():
     assert "ngram c=1 all: 10.87x where its acceptance allows at most 2.00x" in msg
     assert "ngram c=1 chat: 1.60x where its acceptance allows at most 1.25x" in msg
     assert "c=1 code" not in msg  # 5.5x against 5x is within the margin
+    # 50 tokens of a tiny model at 1 ms each: timer jitter, not checked (the demo test's 40x on one request)
+    tiny = checks.evaluate(summary(10.87, 1.6, tpot=1.0), [])[1][0]["message"]
+    assert "c=1 all" in tiny and "c=1 code" not in tiny
+    summary_code = summary(10.87, 1.6, tpot=1.0)
+    summary_code["comparisons"][0]["segments"]["code"]["speedup"] = 60.0
+    assert "c=1 code" not in checks.evaluate(summary_code, [])[1][0]["message"]
     assert checks.evaluate(summary(2.3, 1.4), [])[1] == []  # within 1.2x of the bounds
     for quiet in (dict(concurrency=4), dict(ref_drafts=10), dict(primed=False), dict(source="metrics_delta")):
         kinds = [w["kind"] for w in checks.evaluate(summary(10.87, 1.6, **quiet), [])[1]]
