@@ -39,6 +39,21 @@ The price of drafting charged to the next decisions (`drafting_step_ms`) is the 
 over a decision and its hold. On the H200 at 16 concurrent a decision for 16 ngram requests took
 ~0.6-1.1 ms against ~0.25 ms for a hold step (`docs/benchmarks/gpu_h200_c16_final.json`); on a CPU a
 decision is far below 10% of a step and nothing is held.
+The draft chain's price: a draft model drafts after the choice, k forwards in a chain, and the choice
+prices position j as one draft forward over the n_j requests drafting that deep, one token each (the
+draft's measured `StepCostModel`, `chain_ms`). The chain's first forward feeds more than that: 1 +
+accepted tokens per request that drafted last step, everything since its last draft for one that was
+given k = 0 meanwhile, and the whole prompt for a new request, which can fall outside the draft's CUDA
+graphs. Rather than modelling each of those, every chain is timed (wall clock: the chain ends with its
+device-to-host copy) and the modelled price is multiplied by `chain_scale`, the realised over the
+modelled ms of the recent chains (sums decayed by CHAIN_DECAY per chain). So a new request's prompt is
+charged as an amortised share of the chains around it, not to the one decision that feeds it (which
+would stop a lone request from ever drafting), and whatever else the table misses on the device it
+runs on is charged too. The rest of such a decision's time (estimates, the choice, bookkeeping) is its
+`draft_decide_ms`, as for a free proposer; the chain itself is not (it is priced by the scale). On the
+1.5b with the 0.5b drafting at 16 concurrent requests on the H200 (docs/gpu-notes.md, Session 16),
+neither was charged before: the schedule chose k = 5 in 89% of its decisions and lost 1.5% to the
+baseline.
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
@@ -107,6 +122,17 @@ RECHECK_EVERY = 16  # a re-check found dearer than proposing is timed again ever
 RETRY_EVERY = 16  # a retired request whose proposer offered nothing is tried again after this many re-checks
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
+CHAIN_DECAY = 0.97  # a draft chain's weight in chain_scale decays by this per later chain (~33 chains)
+MIN_CHAINS = 4  # chains timed before chain_scale departs from 1.0
+CHAIN_SCALE_MIN, CHAIN_SCALE_MAX = 0.5, 10.0  # chain_scale's clamp (a table or clock gone wrong stays bounded)
+
+
+def chain_ms(cost: StepCostModel, ks: Sequence[int]) -> float:
+    """The modelled time (ms) of one draft chain that drafts ks[i] tokens for request i: position j is one
+    draft forward over the requests with k >= j, one token each (`cost.forward_ms(n_j, n_j)`), the price
+    `choose_draft_lengths` gives a draft group before `chain_scale`."""
+    return sum(cost.forward_ms(n, n) for n in (sum(1 for k in ks if k >= j) for j in range(1, max(ks, default=0) + 1))
+               if n)
 
 
 class AdaptiveK(ConfiguredK):
@@ -165,6 +191,11 @@ class AdaptiveK(ConfiguredK):
         self._check_samples: dict[Any, deque] = defaultdict(lambda: deque(maxlen=PROPOSE_SAMPLES))
         self._decisions = 0  # decisions that reached `_hopeless` (for RECHECK_EVERY)
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
+        # per costly proposer key (a draft model): decayed sums of its chains' realised and modelled ms
+        self._chain_real: dict[Any, float] = {}
+        self._chain_pred: dict[Any, float] = {}
+        self._chain_n: dict[Any, int] = {}
+        self._chain_ms_step = 0.0  # realised ms of the draft chains of the current decision
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config (every EXPLORE_EVERY-th of its config, the first
@@ -258,8 +289,9 @@ class AdaptiveK(ConfiguredK):
         props, proposed = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
         self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
-        if proposed:
-            self.draft_decide_ms = ms if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * ms
+        if proposed:  # the price of drafting: the decision's time, less a draft chain (priced by chain_scale)
+            host = ms - self._chain_ms_step
+            self.draft_decide_ms = host if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * host
             per = ms / proposed
             self.decide_ms_per_request = (per if not self.decide_ms_per_request
                                           else 0.9 * self.decide_ms_per_request + 0.1 * per)
@@ -404,13 +436,15 @@ class AdaptiveK(ConfiguredK):
                                                                   p.match_len, p.confidence)))
             else:
                 other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
+        chain_cost: dict[Any, Any] = {}  # costly proposer key -> its draft model's StepCostModel
         for key, idx in costly.items():
-            cost = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
+            cost = chain_cost[key] = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
+            scale = self.chain_scale(key)
             for i in idx:
                 r, cap = asks[i]
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
-                                           draft_cost_ms=lambda n, c=cost: c.forward_ms(n, n)))
+                                           draft_cost_ms=lambda n, c=cost, s=scale: s * c.forward_ms(n, n)))
         choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
                                       num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
                                       draft_token_ms=self.step_cost.draft_overhead_ms,
@@ -427,14 +461,40 @@ class AdaptiveK(ConfiguredK):
             else:
                 out.append(Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
                                     p.match_len, p.confidence[:k] if p.confidence else None))
-        todo = [i for idx in costly.values() for i in idx if ks.get(i, 0) > 0]
-        if todo:  # a draft model drafts exactly the chosen k
-            for i, p in zip(todo, propose([(asks[i][0], ks[i]) for i in todo])):
+        self._chain_ms_step = 0.0
+        drafted = 0
+        for key, idx in costly.items():  # a draft model drafts exactly the chosen k, one chain per model
+            todo = [i for i in idx if ks.get(i, 0) > 0]
+            if not todo:
+                continue
+            t0 = time.perf_counter()
+            props = propose([(asks[i][0], ks[i]) for i in todo])
+            real_ms = 1000 * (time.perf_counter() - t0)
+            self._chain_ms_step += real_ms
+            self._observe_chain(key, real_ms, chain_ms(chain_cost[key], [ks[i] for i in todo]))
+            drafted += len(todo)
+            for i, p in zip(todo, props):
                 r = asks[i][0]
                 drafts = list(p.token_ids[: ks[i]])
                 out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
-        return out, len(full.keys() - skip)
+        return out, len(full.keys() - skip) + drafted
+
+    def chain_scale(self, key: Any) -> float:
+        """Realised over modelled time of proposer `key`'s draft chains (a draft model's k forwards per
+        drafting decision), over the recent chains (sums decayed by CHAIN_DECAY per chain): 1.0 until
+        MIN_CHAINS chains were timed, then clamped to [CHAIN_SCALE_MIN, CHAIN_SCALE_MAX]. The choice
+        multiplies the modelled draft forwards by it (see the module docstring, "The draft chain's
+        price")."""
+        if self._chain_n.get(key, 0) < MIN_CHAINS or self._chain_pred.get(key, 0.0) <= 0.0:
+            return 1.0
+        return min(max(self._chain_real[key] / self._chain_pred[key], CHAIN_SCALE_MIN), CHAIN_SCALE_MAX)
+
+    def _observe_chain(self, key: Any, real_ms: float, model_ms: float) -> None:
+        """Fold one draft chain's realised wall time and its modelled time (ms, unscaled) into `key`'s sums."""
+        self._chain_real[key] = CHAIN_DECAY * self._chain_real.get(key, 0.0) + real_ms
+        self._chain_pred[key] = CHAIN_DECAY * self._chain_pred.get(key, 0.0) + model_ms
+        self._chain_n[key] = self._chain_n.get(key, 0) + 1
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that

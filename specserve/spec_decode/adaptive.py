@@ -33,6 +33,7 @@ What it does not do: estimate acceptance (see `acceptance.py`) or measure costs 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
@@ -136,7 +137,13 @@ def choose_draft_lengths(
             incs.append((math.log((e + p) / e) if fair else p, p, i, j))
             e += p
     incs.sort(key=lambda x: -x[0])  # stable: an option's depths stay in order on ties
-    group_cost = {o.draft_group: o.draft_cost_ms for o in options if o.draft_group is not None}
+    group_size: dict[Hashable, int] = defaultdict(int)
+    for o in options:
+        if o.draft_group is not None:
+            group_size[o.draft_group] += 1
+    # group -> ms of one draft forward over c sequences, c = 0..size (0.0 at c = 0), computed once
+    group_cost = {g: [0.0] + [fn(c) for c in range(1, group_size[g] + 1)]
+                  for g, fn in {o.draft_group: o.draft_cost_ms for o in options if o.draft_group is not None}.items()}
     max_group_depth = max((len(o.acceptance) for o in options if o.draft_group is not None), default=0)
 
     def value(gain_sum: float, cost: float) -> float:  # throughput: every sequence of the step commits ~1 token
@@ -160,8 +167,8 @@ def choose_draft_lengths(
                     continue
                 key = (o.draft_group, j)
                 c = depth_count.get(key, 0)
-                cost_fn = group_cost[o.draft_group]
-                draft_ms += cost_fn(c + 1) - (cost_fn(c) if c else 0.0)
+                table = group_cost[o.draft_group]
+                draft_ms += table[c + 1] - table[c]
                 depth_count[key] = c + 1
             ks[i] = j
             total += 1

@@ -550,3 +550,65 @@ def test_a_hold_ends_when_its_drafting_requests_leave_and_never_holds_a_draft_mo
         ad2.draft([(d, 3)], via(dprop), num_other_tokens=0, num_other_seqs=0)
         assert ad2.hold_steps == 0
         commit(ad2, d, [7])
+
+
+def test_chain_ms_prices_each_position_by_the_requests_drafting_that_deep():
+    from specserve.engine.draft_length import chain_ms
+
+    cost = StepCostModel([1, 2, 3, 4], [10.0, 11.0, 12.0, 13.0], seqs=[1, 2, 4], seq_extra_ms=[0.0, 1.0, 3.0])
+    # ks 3, 1, 0: position 1 drafts for 2 requests, positions 2 and 3 for one
+    assert chain_ms(cost, [3, 1, 0]) == pytest.approx(cost.forward_ms(2, 2) + 2 * cost.forward_ms(1, 1))
+    assert chain_ms(cost, [0, 0]) == 0.0 and chain_ms(cost, []) == 0.0
+
+
+class SlowChain(Scripted):
+    """A costly proposer whose table says 20 ms per draft forward and whose chain takes `ms_per_position`
+    of the fake clock per drafted position."""
+
+    def __init__(self, tokens, ms_per_position, clock):
+        super().__init__(tokens, costly=True, clock=clock)
+        self.draft_step_cost = lambda: StepCostModel([1, 2], [20.0, 20.0])
+        self.ms_per_position = ms_per_position
+
+    def propose(self, inputs):
+        self.clock.now += self.ms_per_position * max(i.num_speculative_tokens for i in inputs) / 1000
+        return super().propose(inputs)
+
+
+def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monkeypatch):
+    """The table prices a draft position at 20 ms against a 100 ms target step: drafting pays. The chain
+    really takes 120 ms per position, which does not pay even with every draft accepted: once MIN_CHAINS
+    chains were timed, chain_scale reads 6 and the schedule stops drafting. The chain's time is not
+    counted as the decision's own (draft_decide_ms stays 0: nothing else takes time here)."""
+    from specserve.engine.draft_length import MIN_CHAINS
+
+    clock = fake_time(monkeypatch)
+    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
+    prop = SlowChain([7] * 6, 120.0, clock)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    r = req("d", cfg)
+    ad.add_request(r)
+    ks = []
+    for _ in range(30):
+        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        ks.append(len(p.token_ids))
+        commit(ad, r, [7] * (len(p.token_ids) + 1))
+        ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
+    assert min(ks[:MIN_CHAINS]) >= 1  # priced by the table alone, drafting looks worth it
+    key = next(iter(ad._chain_n))
+    assert ad.chain_scale(key) == pytest.approx(6.0)
+    assert ks[-1] == 0 and ad.draft_decide_ms == 0.0
+
+
+def test_a_draft_chain_as_fast_as_its_table_keeps_drafting(monkeypatch):
+    """The same request with a chain that takes what the table says: scale 1.0, the deep drafts stay."""
+    clock = fake_time(monkeypatch)
+    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
+    prop = SlowChain([7] * 6, 20.0, clock)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    r = req("d", cfg)
+    ad.add_request(r)
+    for _ in range(20):
+        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        commit(ad, r, [7] * (len(p.token_ids) + 1))
+    assert ad.chain_scale(next(iter(ad._chain_n))) == pytest.approx(1.0) and len(p.token_ids) >= 4
