@@ -37,6 +37,8 @@ def method_configs(names: list[str], k: int, draft: str | None):
             cfgs[m] = SpeculativeConfig("suffix", max(k, 8))
         elif m == "draft_model":
             cfgs[m] = SpeculativeConfig("draft_model", k, model=draft)
+        elif m == "draft_model_adaptive":  # the adaptive schedule with a draft model, k <= --k
+            cfgs[m] = SpeculativeConfig("draft_model", k, model=draft, num_speculative_tokens_schedule="adaptive")
         elif m == "ngram_adaptive":
             cfgs[m] = SpeculativeConfig("ngram", max(k, 8), prompt_lookup_min=2, prompt_lookup_max=4,
                                         num_speculative_tokens_schedule="adaptive")
@@ -136,6 +138,10 @@ def main() -> None:
                       f"{llm.engine.target.dtype}, batch 1, greedy",
         "rows": rows,
     }
+    stats = llm.engine.speculation_stats()  # the adaptive schedule's draft-chain scale, where a draft model ran
+    if stats.get("chain_scale"):
+        res["draft_chain_scale"] = {m: round(v, 3) for m, v in stats["chain_scale"].items()}
+        res["chosen_k"] = {str(c["config"].method): c["chosen_k"] for c in stats["configs"]}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

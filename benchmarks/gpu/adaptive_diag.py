@@ -224,6 +224,8 @@ def main() -> None:
             s["check_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in getattr(ad, "check_ms", {}).items()}
             s["prior"] = [round(x, 3) for x in ad.tracker.config_summary(c, proposer_key(c), c.num_speculative_tokens)]
             s["propose_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in ad.propose_ms.items()}
+            if hasattr(eng._proposers.get(proposer_key(c)), "draft_step_cost"):  # a draft model's chain scale
+                s["draft_chain_scale"] = round(ad.chain_scale(proposer_key(c)), 3)
         res["profiles"][n] = s
         print(n, json.dumps(s), flush=True)
         if prof:

@@ -1,10 +1,11 @@
 """Run a whole benchmark: profiles x loads x repeats, with /metrics scrapes around every run.
 
 What it does: loads the samples once (the same requests, in the same order, for every profile and
-load; `output_len` fixes every request's max_tokens), warms the server up before each profile's runs
+load; `output_len` fixes every request's max_tokens), warms every profile up before the measured runs
 with requests that share none of the measured prompts (`datasets.warmup_samples`; excluded from the
 results; a failed warm-up request, or one whose response names another profile or, unless allowed,
-none, stops the run with `WarmupError`), primes the prefix cache with the run's own prompts before
+none, stops the run with `WarmupError`), then runs repeat by repeat, each load's profiles in an order
+rotated by one per repeat (`run_order`), primes the prefix cache with the run's own prompts before
 every run (`client.prime_prompts`: each prompt once with max_tokens 1, untimed; so every profile and
 repeat meets the same cache state, and TTFT is that of cached prompts; `prime=False` skips it), runs each (profile, load, repeat), computes overall and
 per-segment metrics, reads acceptance from the per-response numbers (or from /metrics deltas, which
@@ -70,6 +71,15 @@ def loads_of(cfg: BenchConfig) -> list[dict]:
         return [{"label": f"c={c}", "concurrency": c, "request_rate": None} for c in cfg.concurrency]
     rates = cfg.request_rate or [float("inf")]
     return [{"label": f"rate={r:g}", "concurrency": None, "request_rate": r} for r in rates]
+
+
+def run_order(profiles: list, rep: int) -> list:
+    """The profiles in the order repeat `rep` runs them (each load): rotated by one per repeat, so that
+    over P repeats of P profiles every profile runs in every position once (over more, at least once),
+    and load on the machine at one point of a benchmark does not fall on one profile's runs only (the
+    first profile, the baseline, runs first in repeat 0)."""
+    r = rep % len(profiles) if profiles else 0
+    return list(profiles[r:]) + list(profiles[:r])
 
 
 def _json_num(x):
@@ -217,12 +227,13 @@ async def run_bench(cfg: BenchConfig, samples=None, sources=None, warm=None,
         total = len(cfg.profiles) * len(loads) * cfg.repeats * len(samples)
         bar = tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not cfg.progress)
         try:
-            for profile in cfg.profiles:
-                if warm:
+            if warm:
+                for profile in cfg.profiles:
                     bar.set_description(f"warm-up {profile or 'default'}")
                     warmups[profile or "default"] = await _warm_up(cl, cfg, warm, model, profile)
+            for rep in range(cfg.repeats):
                 for load in loads:
-                    for rep in range(cfg.repeats):
+                    for profile in run_order(cfg.profiles, rep):
                         bar.set_description(f"{profile or 'default'} {load['label']} #{rep}")
                         run, rr = await _one_run(cl, cfg, samples, model, profile, load, rep, murl, bar)
                         runs.append(run)

@@ -41,19 +41,29 @@ over a decision and its hold. On the H200 at 16 concurrent a decision for 16 ngr
 decision is far below 10% of a step and nothing is held.
 The draft chain's price: a draft model drafts after the choice, k forwards in a chain, and the choice
 prices position j as one draft forward over the n_j requests drafting that deep, one token each (the
-draft's measured `StepCostModel`, `chain_ms`). The chain's first forward feeds more than that: 1 +
-accepted tokens per request that drafted last step, everything since its last draft for one that was
-given k = 0 meanwhile, and the whole prompt for a new request, which can fall outside the draft's CUDA
-graphs. Rather than modelling each of those, every chain is timed (wall clock: the chain ends with its
-device-to-host copy) and the modelled price is multiplied by `chain_scale`, the realised over the
-modelled ms of the recent chains (sums decayed by CHAIN_DECAY per chain). So a new request's prompt is
-charged as an amortised share of the chains around it, not to the one decision that feeds it (which
-would stop a lone request from ever drafting), and whatever else the table misses on the device it
-runs on is charged too. The rest of such a decision's time (estimates, the choice, bookkeeping) is its
+draft's measured `StepCostModel`, `chain_ms`). The chain's first forward feeds what the draft has not
+seen: everything since its last draft for a request that was given k = 0 meanwhile, and the whole
+prompt for a new request, which can fall outside the draft's CUDA graphs. The prompt and the catch-up are not a price of this step's k: every committed token has to
+be fed to the draft once, whatever k is chosen, before the request drafts again (a request retired for
+good would save them, which the choice does not weigh). In the steady state a chain's first forward
+feeds one or two tokens per request (the draft keeps its own drafts in its cache, so only the recovered
+or bonus token, and the last draft when all were accepted, are new), which the table prices well; what
+it misses is the rest of the chain's wall time on the device it runs on (host work per position, graph
+misses, the per-request bookkeeping). So every steady chain (no request fed more than STEADY_FEED
+tokens, as the proposer's `last_max_feed` says) is timed (wall clock: the chain ends with its
+device-to-host copy), and the modelled price is multiplied by `chain_scale`, the median realised over
+modelled ms of the last CHAIN_SAMPLES steady chains (a median: one chain slowed by a pause does not move
+it). A scale that stops all drafting would never be measured again (no chains), so while it alone keeps
+every request at k = 0, every CHAIN_PROBE_EVERY-th such decision drafts as the table alone would
+(`_probe_chain`). A chain that feeds a prompt or a catch-up is not
+timed into it: one 1000-token prompt on a CPU costs as much as a dozen steady chains, and counting it
+would make a lone request stop drafting. One scale multiplies every position: host work per chain that
+does not grow with k is spread over the positions (a fit of a fixed part plus a scale, as the overhead
+fit does for the target, would separate them; not done). The rest of such a decision's time (estimates, the choice, bookkeeping) is its
 `draft_decide_ms`, as for a free proposer; the chain itself is not (it is priced by the scale). On the
 1.5b with the 0.5b drafting at 16 concurrent requests on the H200 (docs/gpu-notes.md, Session 16),
 neither was charged before: the schedule chose k = 5 in 89% of its decisions and lost 1.5% to the
-baseline.
+baseline (not measured since).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
@@ -96,6 +106,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict, deque
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from specserve.engine.k_policy import ConfiguredK
@@ -122,9 +133,9 @@ RECHECK_EVERY = 16  # a re-check found dearer than proposing is timed again ever
 RETRY_EVERY = 16  # a retired request whose proposer offered nothing is tried again after this many re-checks
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
-CHAIN_DECAY = 0.97  # a draft chain's weight in chain_scale decays by this per later chain (~33 chains)
-MIN_CHAINS = 4  # chains timed before chain_scale departs from 1.0
-CHAIN_SCALE_MIN, CHAIN_SCALE_MAX = 0.5, 10.0  # chain_scale's clamp (a table or clock gone wrong stays bounded)
+CHAIN_SAMPLES = 16  # chain_scale: the median realised/modelled ratio of this many recent steady chains
+CHAIN_PROBE_EVERY = 32  # while the chain scale alone keeps a draft model from drafting, probe every 32nd decision
+STEADY_FEED = 2  # a steady chain feeds each request at most this many tokens (see the module docstring)
 
 
 def chain_ms(cost: StepCostModel, ks: Sequence[int]) -> float:
@@ -191,10 +202,10 @@ class AdaptiveK(ConfiguredK):
         self._check_samples: dict[Any, deque] = defaultdict(lambda: deque(maxlen=PROPOSE_SAMPLES))
         self._decisions = 0  # decisions that reached `_hopeless` (for RECHECK_EVERY)
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
-        # per costly proposer key (a draft model): decayed sums of its chains' realised and modelled ms
-        self._chain_real: dict[Any, float] = {}
-        self._chain_pred: dict[Any, float] = {}
-        self._chain_n: dict[Any, int] = {}
+        # per costly proposer key (a draft model): realised / modelled ms of its recent steady chains, and
+        # the decisions in a row in which its scale alone kept every request at k = 0 (see chain_scale)
+        self._chain_ratios: dict[Any, deque] = defaultdict(lambda: deque(maxlen=CHAIN_SAMPLES))
+        self._chain_idle: dict[Any, int] = defaultdict(int)
         self._chain_ms_step = 0.0  # realised ms of the draft chains of the current decision
 
     def add_request(self, req: Request) -> None:
@@ -292,7 +303,7 @@ class AdaptiveK(ConfiguredK):
         if proposed:  # the price of drafting: the decision's time, less a draft chain (priced by chain_scale)
             host = ms - self._chain_ms_step
             self.draft_decide_ms = host if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * host
-            per = ms / proposed
+            per = host / proposed
             self.decide_ms_per_request = (per if not self.decide_ms_per_request
                                           else 0.9 * self.decide_ms_per_request + 0.1 * per)
         self._decide_ms_step += ms
@@ -401,7 +412,8 @@ class AdaptiveK(ConfiguredK):
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
                   other_seqs: int) -> tuple[list[Proposal], int]:
         """The decision for the adaptive asks: their proposals cut to the chosen k, and how many requests
-        a free proposer was called for (if any, the decision's time counts as the price of drafting)."""
+        were proposed for (a free proposer called, or a draft model drafting k > 0; if any, the decision's
+        time less the draft chains' counts as the price of drafting)."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         by_config: dict[Any, list[int]] = defaultdict(list)
@@ -436,7 +448,7 @@ class AdaptiveK(ConfiguredK):
                                                                   p.match_len, p.confidence)))
             else:
                 other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
-        chain_cost: dict[Any, Any] = {}  # costly proposer key -> its draft model's StepCostModel
+        chain_cost: dict[Any, StepCostModel] = {}  # costly proposer key -> its draft model's StepCostModel
         for key, idx in costly.items():
             cost = chain_cost[key] = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
             scale = self.chain_scale(key)
@@ -445,10 +457,18 @@ class AdaptiveK(ConfiguredK):
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=lambda n, c=cost, s=scale: s * c.forward_ms(n, n)))
-        choice = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens,
-                                      num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
-                                      draft_token_ms=self.step_cost.draft_overhead_ms,
-                                      speculate_ms=self.drafting_step_ms)
+        def choose(opts: list[DraftOption]) -> Choice:
+            return choose_draft_lengths(opts, self.step_cost.step_ms, num_other_tokens=other_tokens,
+                                        num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
+                                        draft_token_ms=self.step_cost.draft_overhead_ms,
+                                        speculate_ms=self.drafting_step_ms)
+
+        choice = choose(options)
+        if chain_cost and not any(choice.ks):
+            choice = self._probe_chain(choice, options, chain_cost, choose)
+        elif chain_cost:
+            for key in chain_cost:
+                self._chain_idle[key] = 0
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -471,7 +491,9 @@ class AdaptiveK(ConfiguredK):
             props = propose([(asks[i][0], ks[i]) for i in todo])
             real_ms = 1000 * (time.perf_counter() - t0)
             self._chain_ms_step += real_ms
-            self._observe_chain(key, real_ms, chain_ms(chain_cost[key], [ks[i] for i in todo]))
+            feed = getattr(self.proposer_of(asks[todo[0]][0].spec_config), "last_max_feed", None)
+            if feed is None or feed <= STEADY_FEED:  # a steady chain: no prompt, no catch-up
+                self._observe_chain(key, real_ms, chain_ms(chain_cost[key], [ks[i] for i in todo]))
             drafted += len(todo)
             for i, p in zip(todo, props):
                 r = asks[i][0]
@@ -481,20 +503,39 @@ class AdaptiveK(ConfiguredK):
         return out, len(full.keys() - skip) + drafted
 
     def chain_scale(self, key: Any) -> float:
-        """Realised over modelled time of proposer `key`'s draft chains (a draft model's k forwards per
-        drafting decision), over the recent chains (sums decayed by CHAIN_DECAY per chain): 1.0 until
-        MIN_CHAINS chains were timed, then clamped to [CHAIN_SCALE_MIN, CHAIN_SCALE_MAX]. The choice
-        multiplies the modelled draft forwards by it (see the module docstring, "The draft chain's
-        price")."""
-        if self._chain_n.get(key, 0) < MIN_CHAINS or self._chain_pred.get(key, 0.0) <= 0.0:
-            return 1.0
-        return min(max(self._chain_real[key] / self._chain_pred[key], CHAIN_SCALE_MIN), CHAIN_SCALE_MAX)
+        """How much longer proposer `key`'s draft chains take than its table says: the median of the
+        realised over the modelled ms of its last CHAIN_SAMPLES steady chains (a draft model's k forwards
+        per drafting decision, no prompt or catch-up fed); 1.0 before any. A median, so one chain slowed
+        by something else (a pause, a compile) does not move it. The choice multiplies the modelled
+        draft forwards by it (see the module docstring, and `_probe_chain` for how a scale that stopped
+        all drafting is measured again)."""
+        ratios = self._chain_ratios.get(key)
+        return statistics.median(ratios) if ratios else 1.0
 
     def _observe_chain(self, key: Any, real_ms: float, model_ms: float) -> None:
-        """Fold one draft chain's realised wall time and its modelled time (ms, unscaled) into `key`'s sums."""
-        self._chain_real[key] = CHAIN_DECAY * self._chain_real.get(key, 0.0) + real_ms
-        self._chain_pred[key] = CHAIN_DECAY * self._chain_pred.get(key, 0.0) + model_ms
-        self._chain_n[key] = self._chain_n.get(key, 0) + 1
+        """One steady chain's realised wall time against its modelled time (ms, unscaled)."""
+        if model_ms > 0.0:
+            self._chain_ratios[key].append(real_ms / model_ms)
+
+    def _probe_chain(self, choice: Choice, options: list[DraftOption], chain_cost: dict[Any, StepCostModel],
+                     choose: Callable[[list[DraftOption]], Choice]) -> Choice:
+        """A decision that chose k = 0 for everyone with draft models in the batch: if a chain scale above
+        1.0 is what kept them from drafting, every CHAIN_PROBE_EVERY-th such decision in a row drafts as
+        the table alone (scale 1.0) would, so that the scale is measured again (a scale measured when
+        the device was slower, or at another batch size, would otherwise never come down: without chains
+        there is nothing to measure). Returns the choice to make."""
+        keys = [k for k in chain_cost if self.chain_scale(k) > 1.0]
+        if not keys:
+            return choice
+        for k in keys:
+            self._chain_idle[k] += 1
+        if max(self._chain_idle[k] for k in keys) < CHAIN_PROBE_EVERY:
+            return choice
+        for k in keys:
+            self._chain_idle[k] = 0
+        unscaled = [replace(o, draft_cost_ms=lambda n, c=chain_cost[o.draft_group]: c.forward_ms(n, n))
+                    if o.draft_group in chain_cost else o for o in options]
+        return choose(unscaled)
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that

@@ -336,19 +336,22 @@ class LLMEngine:
         }
 
     def speculation_stats(self) -> dict:
-        """The adaptive schedule's state for /metrics: the measured step costs (target and draft models)
+        """The adaptive schedule's state for /metrics: the measured step costs (target and draft models),
+        each draft model's chain scale (`AdaptiveK.chain_scale`: realised over modelled draft-chain ms)
         and, per adaptive SpeculativeConfig, how often each k was chosen and its acceptance estimates."""
         if self.adaptive is None:
             return {}
         costs = {self.model_name: self.adaptive.step_cost}
-        for prop in self._proposers.values():
+        chain_scale = {}
+        for key, prop in self._proposers.items():
             if hasattr(prop, "draft_step_cost") and getattr(prop, "_step_cost", None) is not None:
                 costs[prop.draft.files.name] = prop._step_cost
+                chain_scale[prop.draft.files.name] = self.adaptive.chain_scale(key)
         configs = []
         for cfg, counts in list(self.adaptive.chosen_k.items()):
             est = self.adaptive.tracker.config_summary(cfg, proposer_key(cfg), cfg.num_speculative_tokens)
             configs.append({"config": cfg, "chosen_k": list(counts), "acceptance": est})
-        return {"step_cost": costs, "configs": configs}
+        return {"step_cost": costs, "chain_scale": chain_scale, "configs": configs}
 
     # ---- the step -------------------------------------------------------------------------------
 

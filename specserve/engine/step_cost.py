@@ -419,6 +419,25 @@ def cache_path(model: Any, max_tokens: int, max_seqs: int, context: int) -> Path
     return home() / "step_cost" / f"{safe}-{digest}.json"
 
 
+PROBE_SIZE = 512  # parallel_probe's square fp32 matmul (spreads over the threads of any BLAS)
+PROBE_MS = 60.0  # parallel_probe's duration, ms
+PROBE_PARALLEL = 0.65  # the probe ran its threads side by side when it reads at most this (0.5 on 2 idle cores)
+
+
+def parallel_probe(duration_ms: float = PROBE_MS) -> float:
+    """Wall ms per process CPU-ms of PROBE_SIZE x PROBE_SIZE fp32 matmuls repeated for ~`duration_ms` on
+    torch's current threads: ~1 / threads where the threads run side by side, ~1.0 (or more) where
+    other work holds the cores."""
+    import torch
+
+    a = torch.full((PROBE_SIZE, PROBE_SIZE), 0.5)  # not randn: the probe must not advance the global RNG
+    torch.mm(a, a)  # warm-up: thread pool and kernel selection
+    c0, w0 = time.process_time(), time.perf_counter()
+    while time.perf_counter() - w0 < duration_ms / 1000:
+        torch.mm(a, a)
+    return (time.perf_counter() - w0) / max(time.process_time() - c0, 1e-9)
+
+
 def machine_busy(measured: "StepCostModel | None" = None) -> str | None:
     """Why timings taken now would not be the device's own, or None.
 
@@ -427,15 +446,24 @@ def machine_busy(measured: "StepCostModel | None" = None) -> str | None:
       load against that cpuset would read "busy" forever). The average lags by about a minute and
       counts this process's own threads (up to one per CPU while it measures), hence 1.5 per CPU.
     - Or, for a CPU measurement (`measured`) with two or more threads: its forwards did not run their
-      threads side by side (`cpu_time_to_wall` above UNPARALLEL_WALL_PER_CPU). On 2 idle cores the 0.5b's
-      forwards take 0.50 wall ms per CPU-ms; beside other work, threads that spin while waiting for
-      a core inflate the CPU time too (0.96 and a decode read 631 ms against 72 ms idle, at a load
-      average of 2.1-2.95 on 2 CPUs, under the first rule's threshold).
+      threads side by side (`cpu_time_to_wall` above UNPARALLEL_WALL_PER_CPU), and a matmul that spreads
+      over them, timed right after, did not clearly either (`parallel_probe` above PROBE_PARALLEL; it is
+      recorded as `meta["probe_cpu_time_to_wall"]`).
+      On 2 idle cores the 0.5b's forwards take 0.50 wall ms per CPU-ms; beside other work, threads that
+      spin while waiting for a core inflate the CPU time too (0.96 and a decode read 631 ms against 72
+      ms idle, at a load average of 2.1-2.95 on 2 CPUs, under the first rule's threshold). A model too
+      small to spread its forwards (a tiny test model) reads ~1.0 on idle cores too; the probe tells
+      the two apart, so its table is cached.
     None where neither applies (or the load average is unavailable)."""
     if measured is not None:
         ratio, threads = measured.meta.get("cpu_time_to_wall"), measured.meta.get("threads") or 1
         if ratio is not None and threads >= 2 and ratio > UNPARALLEL_WALL_PER_CPU:
-            return f"{threads} threads but {ratio:.2f} wall ms per CPU-ms: they did not run side by side"
+            # a model too small to spread its forwards over the threads reads ~1.0 on idle cores too:
+            # only when a matmul that does spread reads the same are the cores taken by other work
+            probe = measured.meta["probe_cpu_time_to_wall"] = round(parallel_probe(), 4)
+            if probe > PROBE_PARALLEL:
+                return (f"{threads} threads but {ratio:.2f} wall ms per CPU-ms, and {probe:.2f} for a "
+                        f"{PROBE_SIZE}x{PROBE_SIZE} matmul: they did not run side by side")
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):

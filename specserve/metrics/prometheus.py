@@ -162,6 +162,10 @@ class SpeculationCollector:
       that many new tokens (the target, and each draft model in use), `specserve.engine.step_cost`;
     - specserve:step_cost_seq_extra_seconds{model, num_seqs}: what that many sequences add over one;
     - specserve:step_cost_overhead_seconds{model}: the step time outside the forward (EMA, the target);
+    - specserve:step_cost_draft_overhead_seconds{model}: the extra step time outside the forward per
+      verified draft token (online fit, the target);
+    - specserve:step_cost_draft_chain_scale{model}: a draft model's realised draft-chain time over the
+      time its table models (`AdaptiveK.chain_scale`; 1.0 until a few chains were timed);
     - specserve:spec_decode_adaptive_steps_total{profile, k}: decode steps in which the adaptive schedule
       chose k drafts for a request of the profile (k = 0: a plain decode);
     - specserve:spec_decode_acceptance_estimate{profile, position}: the profile's current estimate of
@@ -197,6 +201,11 @@ class SpeculationCollector:
                 extra.add_metric([model, str(b)], ms / 1000)
             over.add_metric([model], cm.overhead_ms / 1000)
             draft_over.add_metric([model], cm.draft_overhead_ms / 1000)
+        chain = GaugeMetricFamily("specserve:step_cost_draft_chain_scale",
+                                  "Realised over modelled time of a draft model's draft chains (recent chains)",
+                                  labels=["model"])
+        for model, scale in (stats.get("chain_scale") or {}).items():
+            chain.add_metric([model], scale)
         steps = CounterMetricFamily("specserve:spec_decode_adaptive_steps",
                                     "Decode steps in which the adaptive schedule chose k drafts", labels=["profile", "k"])
         est = GaugeMetricFamily("specserve:spec_decode_acceptance_estimate",
@@ -210,4 +219,4 @@ class SpeculationCollector:
                     steps.add_metric([name, str(k)], n)
                 for j, a in enumerate(c["acceptance"], start=1):
                     est.add_metric([name, str(j)], a)
-        yield from (fwd, extra, over, draft_over, steps, est)
+        yield from (fwd, extra, over, draft_over, chain, steps, est)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 class _DraftSeq:
     slot: int
     cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the draft cache
+    verified: int = 0  # leading tokens of `cached` known to be the request's own (committed tokens never change)
 
 
 class DraftModelProposer:
@@ -74,6 +75,10 @@ class DraftModelProposer:
         self.prefix_cache_min_tokens = context.prefix_cache_min_tokens
         self.seqs: dict[str, _DraftSeq] = {}
         self._step_cost = None
+        # the most tokens one request fed in the last `propose` call's first forward (1 or 2 for a request
+        # that drafted in the step before: the draft keeps its own drafts; its prompt for a new one): the
+        # adaptive schedule times only chains without a prompt or catch-up (`AdaptiveK.chain_scale`)
+        self.last_max_feed = 0
 
     def draft_step_cost(self):
         """The measured time of one draft forward (`StepCostModel`, cached per model and device; measured
@@ -90,7 +95,7 @@ class DraftModelProposer:
         if request_id not in self.seqs:
             if self.prefix_caching:
                 slot, n = self.draft.kv.allocate_for_prefix(token_ids, self.prefix_cache_min_tokens)
-                self.seqs[request_id] = _DraftSeq(slot, list(token_ids[:n]))
+                self.seqs[request_id] = _DraftSeq(slot, list(token_ids[:n]), n)
             else:
                 self.seqs[request_id] = _DraftSeq(self.draft.kv.allocate())
         return self.seqs[request_id]
@@ -114,16 +119,18 @@ class DraftModelProposer:
                 plans.append((inp, None, 0))
                 continue
             seq = self._seq(inp.request_id, ids)
-            n = 0
-            for a, b in zip(seq.cached, ids):
-                if a != b:
-                    break
-                n += 1
+            # only the tail past the verified prefix can differ (the last step's drafts): compare that
+            v = min(seq.verified, len(ids), len(seq.cached))
+            n = v + common_prefix_len(seq.cached[v:], ids[v:])
             n = min(n, len(ids) - 1)  # always feed at least the newest token, to get its logits
             self.draft.kv.truncate(seq.slot, n)
-            seq.cached = list(ids[:n])
+            del seq.cached[n:]
+            seq.verified = n
             plans.append((inp, seq, k))
         active = [(inp, seq, k) for inp, seq, k in plans if k > 0]
+        self.last_max_feed = max((len(inp.token_ids) - len(seq.cached) for inp, seq, _ in active), default=0)
+        for inp, seq, _ in active:  # every token fed now is the request's own
+            seq.verified = len(inp.token_ids)
         if self.chain_greedy and active and all(inp.sampling_params.greedy for inp, _, _ in active):
             drafts = self._greedy_chain(active)
             return [Proposal(drafts.get(inp.request_id, []), None) for inp in inputs]

@@ -211,3 +211,18 @@ def test_a_suffix_profile_run_more_than_once_is_flagged():
     assert msg.startswith("SUFFIX REPLAY: sfx ") and "ngram_4" not in msg.split("(")[0]
     assert twice["server_speculative_configs"] == configs
     assert "suffix_replay" not in [w["kind"] for w in once["warnings"] + plain["warnings"]]
+
+
+def test_repeats_run_the_profiles_in_a_rotated_order():
+    """Every profile is warmed up before any measured run; then each repeat runs each load's profiles in
+    an order rotated by one per repeat, so the baseline is not always first."""
+    from specserve.bench.runner import run_order
+
+    assert run_order(["a", "b", "c"], 0) == ["a", "b", "c"] and run_order(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert run_order([], 3) == []
+    with mockserver.MockServer(delay_s=0.0) as url:
+        summary, _ = _run(url, _samples(2), concurrency=[1, 2], profiles=["baseline", "ngram_4"], repeats=2)
+    order = [(r["repeat"], r["load"], r["profile"]) for r in summary["runs"]]
+    assert order == [(0, "c=1", "baseline"), (0, "c=1", "ngram_4"), (0, "c=2", "baseline"), (0, "c=2", "ngram_4"),
+                     (1, "c=1", "ngram_4"), (1, "c=1", "baseline"), (1, "c=2", "ngram_4"), (1, "c=2", "baseline")]
+    assert [g["profile"] for g in summary["groups"]] == ["baseline", "baseline", "ngram_4", "ngram_4"]

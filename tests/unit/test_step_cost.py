@@ -218,13 +218,53 @@ def test_threads_that_did_not_run_side_by_side_make_a_cpu_measurement_busy(monke
     from tests.conftest import MACHINE_BUSY
 
     monkeypatch.setattr(step_cost.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(step_cost, "parallel_probe", lambda: 0.97)  # a matmul that spreads did not either
     cm = fit({1: [10.0]}, {})
     cm.meta.update(threads=2, cpu_time_to_wall=0.96)
-    assert "did not run side by side" in MACHINE_BUSY(cm)
+    assert "did not run side by side" in MACHINE_BUSY(cm) and cm.meta["probe_cpu_time_to_wall"] == 0.97
     cm.meta.update(cpu_time_to_wall=0.5)
     assert MACHINE_BUSY(cm) is None
+    # a model too small to spread its forwards, on idle cores: the probe ran side by side, not busy
+    monkeypatch.setattr(step_cost, "parallel_probe", lambda: 0.52)
+    cm.meta.update(cpu_time_to_wall=0.99)
+    assert MACHINE_BUSY(cm) is None and cm.meta["probe_cpu_time_to_wall"] == 0.52
     cm.meta.update(threads=1, cpu_time_to_wall=1.0)  # one thread: 1 wall ms per CPU-ms is its normal
     assert MACHINE_BUSY(cm) is None and MACHINE_BUSY() is None
+
+
+def test_parallel_probe_reads_wall_ms_per_cpu_ms(monkeypatch):
+    """The probe's arithmetic on fake clocks: each matmul takes 1 wall ms and 2 CPU-ms (two threads side
+    by side) -> 0.5; 1 and 1 (one thread at a time) -> 1.0. Its real reading is at least 1 / threads."""
+    import types
+
+    import torch
+
+    class Clocks:
+        def __init__(self, cpu_per_wall):
+            self.wall = self.cpu = 0.0
+            self.cpu_per_wall = cpu_per_wall
+
+        def perf_counter(self):
+            return self.wall
+
+        def process_time(self):
+            return self.cpu
+
+    for cpu_per_wall, want in ((2.0, 0.5), (1.0, 1.0)):
+        c = Clocks(cpu_per_wall)
+        real_mm = torch.mm
+
+        def mm(a, b, c=c):
+            c.wall += 0.001
+            c.cpu += 0.001 * c.cpu_per_wall
+            return real_mm(a, b)
+
+        monkeypatch.setattr(step_cost, "time", types.SimpleNamespace(perf_counter=c.perf_counter,
+                                                                    process_time=c.process_time))
+        monkeypatch.setattr(torch, "mm", mm)
+        assert step_cost.parallel_probe(20.0) == pytest.approx(want)
+        monkeypatch.undo()
+    assert step_cost.parallel_probe(20.0) >= 0.9 / torch.get_num_threads()
 
 
 def test_scaled_multiplies_every_measured_time():
