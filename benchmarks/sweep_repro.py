@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 
 GRID = ["--methods", "ngram,suffix", "--k", "2,4,6,8", "--no-adaptive", "--concurrency", "1,4",
-        "--segments", "code,edit,chat", "--repeats", "2"]
+        "--segments", "code,edit,chat"]
 
 
 def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) -> tuple[dict, float]:
     """One `specserve sweep` over GRID; returns (its sweep.json, wall seconds)."""
     cmd = [sys.executable, "-m", "specserve.cli", "sweep", "--base-url", base_url, "--admin-token", token, *GRID,
-           "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--output-dir", str(out),
+           "--repeats", str(args.repeats), "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
+           "--output-dir", str(out),
            "--no-progress", "--no-html", "--prune-margin", str(args.prune_margin)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=4, help="requests per run (the sweep's default)")
     ap.add_argument("--max-tokens", type=int, default=64, help="the sweep's default")
+    ap.add_argument("--repeats", type=int, default=2, help="repeats per (segment, concurrency) in each sweep")
     ap.add_argument("--prune-margin", type=float, default=0.0,
                     help="the sweep's --prune-margin (default 0: off, as the sweep's own default)")
     ap.add_argument("--work-dir", default="out/sweep-repro")
@@ -81,7 +83,8 @@ def main() -> None:
     result = {
         "benchmark": "sweep_repro", "model": args.model, "started": started,
         "conditions": f"{os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, one `specserve serve`, "
-                      f"sweep {' '.join(GRID)} --num-prompts {args.num_prompts} --max-tokens {args.max_tokens} "
+                      f"sweep {' '.join(GRID)} --repeats {args.repeats} --num-prompts {args.num_prompts} "
+                      f"--max-tokens {args.max_tokens} "
                       f"(prune margin {first['config'].get('prune_margin')}), run twice",
         "summary": {"wall_s": [round(wall1, 1), round(wall2, 1)], "under_30_min": max(wall1, wall2) < 1800,
                     "reproduces": check["all"], "by_key": check["by_key"],
