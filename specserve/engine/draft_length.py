@@ -53,9 +53,12 @@ misses, the per-request bookkeeping). So every steady chain (no request fed more
 tokens, as the proposer's `last_max_feed` says) is timed (wall clock: the chain ends with its
 device-to-host copy), and the modelled price is multiplied by `chain_scale`, the median realised over
 modelled ms of the last CHAIN_SAMPLES steady chains (a median: one chain slowed by a pause does not move
-it). A scale that stops all drafting would never be measured again (no chains), so while it alone keeps
-every request at k = 0, every CHAIN_PROBE_EVERY-th such decision drafts as the table alone would
-(`_probe_chain`). A chain that feeds a prompt or a catch-up is not
+it). A draft model learns only from drafts it made, so estimates or a scale that keep all its requests at k
+= 0 would never be measured again: every DRAFT_PROBE_EVERY-th such decision in a row probes
+(`_probe`): the table's unscaled choice where the scale is what stops drafting, else one token for one
+request. On the CPU of session 16 (the 1.5b target, the 0.5b drafting, batch 1) a 2-token verify cost
+1.5x a decode, so from the 0.5 prior no k paid and the adaptive draft model drafted nothing (1.06x on
+code against 1.99x for static k 5) until these probes let it learn. A chain that feeds a prompt or a catch-up is not
 timed into it: one 1000-token prompt on a CPU costs as much as a dozen steady chains, and counting it
 would make a lone request stop drafting. One scale multiplies every position: host work per chain that
 does not grow with k is spread over the positions (a fit of a fixed part plus a scale, as the overhead
@@ -134,7 +137,7 @@ RETRY_EVERY = 16  # a retired request whose proposer offered nothing is tried ag
 PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the drafting time
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
 CHAIN_SAMPLES = 16  # chain_scale: the median realised/modelled ratio of this many recent steady chains
-CHAIN_PROBE_EVERY = 32  # while the chain scale alone keeps a draft model from drafting, probe every 32nd decision
+DRAFT_PROBE_EVERY = 16  # a draft model whose requests all got k = 0 this many decisions in a row drafts a probe
 STEADY_FEED = 2  # a steady chain feeds each request at most this many tokens (see the module docstring)
 
 
@@ -203,9 +206,10 @@ class AdaptiveK(ConfiguredK):
         self._decisions = 0  # decisions that reached `_hopeless` (for RECHECK_EVERY)
         self._decide_ms_step = 0.0  # time of the decisions since the engine last asked (take_decide_ms)
         # per costly proposer key (a draft model): realised / modelled ms of its recent steady chains, and
-        # the decisions in a row in which its scale alone kept every request at k = 0 (see chain_scale)
+        # the decisions in a row in which every request of it got k = 0 (see `_probe`)
         self._chain_ratios: dict[Any, deque] = defaultdict(lambda: deque(maxlen=CHAIN_SAMPLES))
         self._chain_idle: dict[Any, int] = defaultdict(int)
+        self._option_rids: list[str] = []  # the request of each option of the current decision
         self._chain_ms_step = 0.0  # realised ms of the draft chains of the current decision
 
     def add_request(self, req: Request) -> None:
@@ -457,6 +461,8 @@ class AdaptiveK(ConfiguredK):
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=lambda n, c=cost, s=scale: s * c.forward_ms(n, n)))
+        self._option_rids = [asks[i][0].request_id for i in chosen]  # per option, its request (for `_probe`)
+
         def choose(opts: list[DraftOption]) -> Choice:
             return choose_draft_lengths(opts, self.step_cost.step_ms, num_other_tokens=other_tokens,
                                         num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
@@ -465,7 +471,7 @@ class AdaptiveK(ConfiguredK):
 
         choice = choose(options)
         if chain_cost and not any(choice.ks):
-            choice = self._probe_chain(choice, options, chain_cost, choose)
+            choice = self._probe(choice, options, chain_cost, choose)
         elif chain_cost:
             for key in chain_cost:
                 self._chain_idle[key] = 0
@@ -507,7 +513,7 @@ class AdaptiveK(ConfiguredK):
         realised over the modelled ms of its last CHAIN_SAMPLES steady chains (a draft model's k forwards
         per drafting decision, no prompt or catch-up fed); 1.0 before any. A median, so one chain slowed
         by something else (a pause, a compile) does not move it. The choice multiplies the modelled
-        draft forwards by it (see the module docstring, and `_probe_chain` for how a scale that stopped
+        draft forwards by it (see the module docstring, and `_probe` for how a scale that stopped
         all drafting is measured again)."""
         ratios = self._chain_ratios.get(key)
         return statistics.median(ratios) if ratios else 1.0
@@ -517,25 +523,36 @@ class AdaptiveK(ConfiguredK):
         if model_ms > 0.0:
             self._chain_ratios[key].append(real_ms / model_ms)
 
-    def _probe_chain(self, choice: Choice, options: list[DraftOption], chain_cost: dict[Any, StepCostModel],
-                     choose: Callable[[list[DraftOption]], Choice]) -> Choice:
-        """A decision that chose k = 0 for everyone with draft models in the batch: if a chain scale above
-        1.0 is what kept them from drafting, every CHAIN_PROBE_EVERY-th such decision in a row drafts as
-        the table alone (scale 1.0) would, so that the scale is measured again (a scale measured when
-        the device was slower, or at another batch size, would otherwise never come down: without chains
-        there is nothing to measure). Returns the choice to make."""
-        keys = [k for k in chain_cost if self.chain_scale(k) > 1.0]
-        if not keys:
+    def _probe(self, choice: Choice, options: list[DraftOption], chain_cost: dict[Any, StepCostModel],
+               choose: Callable[[list[DraftOption]], Choice]) -> Choice:
+        """A decision that chose k = 0 for everyone, with draft models in the batch. A draft model learns
+        only from drafts it made (unlike a free proposer, whose drafts are recorded at full length even
+        when cut to k = 0), so estimates or a chain scale that keep it at k = 0 would never be measured
+        again. Every DRAFT_PROBE_EVERY-th such decision in a row for a draft model probes: if its chain
+        scale is above 1.0 and the table's price alone (scale 1.0) would draft, that choice is made, and
+        its chain measures the scale again; otherwise one of its requests (an explorer where one is in
+        the batch) drafts one token, and its outcome updates the acceptance estimates (the request's
+        and its profile's prior; an untested deeper position takes the one before it, so one accepted
+        probe can lead to longer drafts). Returns the choice to make."""
+        for key in chain_cost:
+            self._chain_idle[key] += 1
+        due = [key for key in chain_cost if self._chain_idle[key] >= DRAFT_PROBE_EVERY]
+        if not due:
             return choice
-        for k in keys:
-            self._chain_idle[k] += 1
-        if max(self._chain_idle[k] for k in keys) < CHAIN_PROBE_EVERY:
-            return choice
-        for k in keys:
-            self._chain_idle[k] = 0
-        unscaled = [replace(o, draft_cost_ms=lambda n, c=chain_cost[o.draft_group]: c.forward_ms(n, n))
-                    if o.draft_group in chain_cost else o for o in options]
-        return choose(unscaled)
+        for key in due:
+            self._chain_idle[key] = 0
+        if any(self.chain_scale(key) > 1.0 for key in due):
+            unscaled = [replace(o, draft_cost_ms=lambda n, c=chain_cost[o.draft_group]: c.forward_ms(n, n))
+                        if o.draft_group in due else o for o in options]
+            again = choose(unscaled)
+            if any(again.ks):
+                return again
+        ks = list(choice.ks)
+        for key in due:
+            mine = [p for p, o in enumerate(options) if o.draft_group == key]
+            pick = next((p for p in mine if self._option_rids[p] in self._explorers), mine[0])
+            ks[pick] = 1
+        return Choice(ks, choice.value, choice.step_ms, choice.expected_tokens)
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that

@@ -579,9 +579,10 @@ class SlowChain(Scripted):
 def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monkeypatch):
     """The table prices a draft position at 20 ms against a 100 ms target step: drafting pays. The chain
     really takes 120 ms per position, which does not pay even with every draft accepted: after the first
-    chain the scale reads 6 and the schedule stops drafting (no probe within CHAIN_PROBE_EVERY decisions).
-    The chain's time is not counted as the decision's own (nothing else takes time here)."""
-    from specserve.engine.draft_length import CHAIN_PROBE_EVERY
+    chain the scale reads 6 and the schedule stops drafting, but for a probe every DRAFT_PROBE_EVERY-th
+    decision (which measures the scale again: still 6). The chain's time is not counted as the
+    decision's own (nothing else takes time here)."""
+    from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
     clock = fake_time(monkeypatch)
     cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
@@ -590,12 +591,12 @@ def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monk
     r = req("d", cfg)
     ad.add_request(r)
     ks = []
-    for _ in range(CHAIN_PROBE_EVERY - 1):
+    for _ in range(2 * E + 4):
         (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
         ks.append(len(p.token_ids))
         commit(ad, r, [7] * (len(p.token_ids) + 1))
         ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
-    assert ks[0] >= 1 and not any(ks[1:])  # priced by the table alone, drafting looked worth it
+    assert [i for i, k in enumerate(ks) if k] == [0, E, 2 * E]  # priced by the table alone at first, then probes
     assert ad.chain_scale(proposer_key(cfg)) == pytest.approx(6.0)
     assert ad.draft_decide_ms == 0.0 and ad.decide_ms_per_request == 0.0
 
@@ -615,10 +616,10 @@ def test_a_draft_chain_as_fast_as_its_table_keeps_drafting(monkeypatch):
 
 
 def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(monkeypatch):
-    """Two chains slowed 10x by something else (a pause) make the scale 10 and stop drafting; while the
-    scale alone keeps k = 0, every CHAIN_PROBE_EVERY-th decision drafts as the table says, the probes
-    take the table's time, and once they are the median the schedule drafts every step again."""
-    from specserve.engine.draft_length import CHAIN_PROBE_EVERY as E
+    """Two chains slowed 10x by something else (a pause) make the scale 10 and stop drafting; every
+    DRAFT_PROBE_EVERY-th decision in a row without drafts drafts as the table says, the probes take the
+    table's time, and once they are the median the schedule drafts every step again."""
+    from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
     clock = fake_time(monkeypatch)
     cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
@@ -642,6 +643,32 @@ def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(mo
     # probes at the E-th decision in a row without drafts: medians 10 (10, 10, 1), 5.5, then 1.0
     assert drafted[:4] == [E - 1, 2 * E - 1, 3 * E - 1, 3 * E]
     assert drafted[3:] == list(range(3 * E, 6 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
+
+
+def test_a_draft_model_kept_at_k0_by_its_prior_probes_and_learns(monkeypatch):
+    """A draft forward priced at 50 ms against a 100 ms step: from the 0.5 prior no k pays, and a draft
+    model learns only from drafts it made. Every DRAFT_PROBE_EVERY-th decision in a row without drafts
+    drafts one token for one request (the explorer); the target accepts everything, so after a few
+    probes the estimates pay for drafting and the schedule drafts deep on its own."""
+    from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
+
+    clock = fake_time(monkeypatch)
+    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
+    prop = SlowChain([7] * 6, 50.0, clock)
+    prop.draft_step_cost = lambda: StepCostModel([1, 2], [50.0, 50.0])
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(2)]
+    for r in rs:
+        ad.add_request(r)
+    ks = []
+    for _ in range(8 * E):
+        props = ad.draft([(r, 6) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+        ks.append([len(p.token_ids) for p in props])
+        for r, p in zip(rs, props):
+            commit(ad, r, [7] * (len(p.token_ids) + 1))
+        ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
+    assert ks[:E - 1] == [[0, 0]] * (E - 1) and ks[E - 1] == [1, 0]  # the first probe: the explorer, one token
+    assert max(max(k) for k in ks[-E:]) >= 3 and all(any(k) for k in ks[-E:])  # learned: drafting on its own
 
 
 def test_a_chain_that_feeds_a_prompt_is_not_timed_into_the_chain_price(monkeypatch):
