@@ -54,10 +54,10 @@ tokens, as the proposer's `last_max_feed` says) is timed (wall clock: the chain 
 device-to-host copy), and the modelled price is multiplied by `chain_scale`, the median realised over
 modelled ms of the last CHAIN_SAMPLES steady chains (a median: one chain slowed by a pause does not move
 it). A draft model learns only from drafts it made, so estimates or a scale that keep all its requests at k
-= 0 would never be measured again: every DRAFT_PROBE_EVERY-th such decision in a row probes
-(`_probe`): the table's unscaled choice where the scale is what stops drafting, else one token for one
-request. On the CPU of session 16 (the 1.5b target, the 0.5b drafting, batch 1) a 2-token verify cost
-1.5x a decode, so from the 0.5 prior no k paid and the adaptive draft model drafted nothing (1.06x on
+= 0 would never be measured again: every DRAFT_PROBE_EVERY-th decision in a row that gives all its
+requests k = 0 probes it (`_probe`): where the scale is what stops drafting, two decisions priced at the
+table (the second's chain is steady and is timed), else one token for one request. On the CPU of session 16 (the 1.5b target, the 0.5b drafting, batch 1) a 2-token verify cost
+1.2-1.5x a decode (docs/benchmarks/step_cost_cpu_s16.json), so from the 0.5 prior no k paid and the adaptive draft model drafted nothing (1.06x on
 code against 1.99x for static k 5) until these probes let it learn. A chain that feeds a prompt or a catch-up is not
 timed into it: one 1000-token prompt on a CPU costs as much as a dozen steady chains, and counting it
 would make a lone request stop drafting. One scale multiplies every position: host work per chain that
@@ -192,7 +192,7 @@ class AdaptiveK(ConfiguredK):
         self._offered_cfg: dict[Any, float] = {}
         self._offer_checks: dict[str, int] = {}  # retired request id -> re-checks since it was offered nothing
         self._retry: set[str] = set()  # request ids to try again: the checks assume the cap until they propose
-        self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included), ms
+        self.decide_ms = 0.0  # EMA of the time one full decision takes (proposing included, a draft chain not), ms
         self.draft_decide_ms = 0.0  # EMA of the time of decisions that proposed: the price of drafting, ms
         self.decide_ms_per_request = 0.0  # EMA of such a decision's time per request it proposed for, ms
         self.rest_steps = 0  # plain steps left before the next decision
@@ -210,6 +210,7 @@ class AdaptiveK(ConfiguredK):
         self._chain_ratios: dict[Any, deque] = defaultdict(lambda: deque(maxlen=CHAIN_SAMPLES))
         self._chain_idle: dict[Any, int] = defaultdict(int)
         self._option_rids: list[str] = []  # the request of each option of the current decision
+        self._probe_next: set = set()  # draft models whose next decision is priced at the table (see `_probe`)
         self._chain_ms_step = 0.0  # realised ms of the draft chains of the current decision
 
     def add_request(self, req: Request) -> None:
@@ -303,9 +304,9 @@ class AdaptiveK(ConfiguredK):
         t0 = time.perf_counter()
         props, proposed = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
-        self.decide_ms = ms if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * ms
-        if proposed:  # the price of drafting: the decision's time, less a draft chain (priced by chain_scale)
-            host = ms - self._chain_ms_step
+        host = ms - self._chain_ms_step  # a draft chain is priced by chain_scale, not as deciding
+        self.decide_ms = host if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * host
+        if proposed:  # the price of drafting: the decision's own time
             self.draft_decide_ms = host if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * host
             per = host / proposed
             self.decide_ms_per_request = (per if not self.decide_ms_per_request
@@ -455,7 +456,9 @@ class AdaptiveK(ConfiguredK):
         chain_cost: dict[Any, StepCostModel] = {}  # costly proposer key -> its draft model's StepCostModel
         for key, idx in costly.items():
             cost = chain_cost[key] = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
-            scale = self.chain_scale(key)
+            # the decision after a scale probe is priced at the table too: its chain is steady and is timed
+            scale = 1.0 if key in self._probe_next else self.chain_scale(key)
+            self._probe_next.discard(key)
             for i in idx:
                 r, cap = asks[i]
                 chosen.append(i)
@@ -470,11 +473,8 @@ class AdaptiveK(ConfiguredK):
                                         speculate_ms=self.drafting_step_ms)
 
         choice = choose(options)
-        if chain_cost and not any(choice.ks):
+        if chain_cost:
             choice = self._probe(choice, options, chain_cost, choose)
-        elif chain_cost:
-            for key in chain_cost:
-                self._chain_idle[key] = 0
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -525,34 +525,48 @@ class AdaptiveK(ConfiguredK):
 
     def _probe(self, choice: Choice, options: list[DraftOption], chain_cost: dict[Any, StepCostModel],
                choose: Callable[[list[DraftOption]], Choice]) -> Choice:
-        """A decision that chose k = 0 for everyone, with draft models in the batch. A draft model learns
-        only from drafts it made (unlike a free proposer, whose drafts are recorded at full length even
-        when cut to k = 0), so estimates or a chain scale that keep it at k = 0 would never be measured
-        again. Every DRAFT_PROBE_EVERY-th such decision in a row for a draft model probes: if its chain
-        scale is above 1.0 and the table's price alone (scale 1.0) would draft, that choice is made, and
-        its chain measures the scale again; otherwise one of its requests (an explorer where one is in
-        the batch) drafts one token, and its outcome updates the acceptance estimates (the request's
-        and its profile's prior; an untested deeper position takes the one before it, so one accepted
-        probe can lead to longer drafts). Returns the choice to make."""
-        for key in chain_cost:
+        """Probes for draft models that drafted nothing lately. A draft model learns only from drafts it
+        made (unlike a free proposer, whose drafts are recorded at full length even when cut to k = 0),
+        so estimates or a chain scale that keep all its requests at k = 0 would never be measured again.
+        Counts, per draft model, the decisions in a row that gave all of its requests k = 0 (whatever
+        the other requests got); every DRAFT_PROBE_EVERY-th such decision probes it:
+        - if its chain scale is above 1.0 and the choice with its table's price alone (scale 1.0) would
+          draft for it, that choice is made, and so is the next decision's (`_probe_next`): this chain
+          feeds the tokens missed meanwhile (not steady, not timed), the next one is steady and measures
+          the scale again;
+        - otherwise one of its requests (an explorer where one is in the batch) drafts one token, whose
+          outcome updates the acceptance estimates (the request's and its profile's prior; an untested
+          deeper position takes the one before it, so an accepted probe can lead to longer drafts).
+        Returns the choice to make; with one-token probes added, its value, step_ms and
+        expected_tokens are still those of the choice it started from."""
+        groups = {key: [p for p, o in enumerate(options) if o.draft_group == key] for key in chain_cost}
+        due = []
+        for key, mine in groups.items():
+            if any(choice.ks[p] for p in mine):
+                self._chain_idle[key] = 0
+                continue
             self._chain_idle[key] += 1
-        due = [key for key in chain_cost if self._chain_idle[key] >= DRAFT_PROBE_EVERY]
+            if self._chain_idle[key] >= DRAFT_PROBE_EVERY:
+                self._chain_idle[key] = 0
+                due.append(key)
         if not due:
             return choice
-        for key in due:
-            self._chain_idle[key] = 0
-        if any(self.chain_scale(key) > 1.0 for key in due):
+        scaled = [key for key in due if self.chain_scale(key) > 1.0]
+        if scaled:
             unscaled = [replace(o, draft_cost_ms=lambda n, c=chain_cost[o.draft_group]: c.forward_ms(n, n))
-                        if o.draft_group in due else o for o in options]
+                        if o.draft_group in scaled else o for o in options]
             again = choose(unscaled)
-            if any(again.ks):
-                return again
+            drafted = [key for key in scaled if any(again.ks[p] for p in groups[key])]
+            if drafted:
+                choice = again
+                self._probe_next.update(drafted)
         ks = list(choice.ks)
         for key in due:
-            mine = [p for p, o in enumerate(options) if o.draft_group == key]
-            pick = next((p for p in mine if self._option_rids[p] in self._explorers), mine[0])
-            ks[pick] = 1
-        return Choice(ks, choice.value, choice.step_ms, choice.expected_tokens)
+            mine = groups[key]
+            if not any(ks[p] for p in mine):
+                pick = next((p for p in mine if self._option_rids[p] in self._explorers), mine[0])
+                ks[pick] = 1
+        return choice if ks == list(choice.ks) else Choice(ks, choice.value, choice.step_ms, choice.expected_tokens)
 
     def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that

@@ -564,14 +564,23 @@ def test_chain_ms_prices_each_position_by_the_requests_drafting_that_deep():
 
 class SlowChain(Scripted):
     """A costly proposer whose table says 20 ms per draft forward and whose chain takes `ms_per_position`
-    of the fake clock per drafted position."""
+    of the fake clock per drafted position. It reports `last_max_feed` as a draft model does: the tokens
+    it has not seen (its prompt at first, 2 after a step whose k drafts were all accepted, 1 + the
+    tokens committed meanwhile after steps it did not draft in; the target here accepts every draft)."""
 
     def __init__(self, tokens, ms_per_position, clock):
         super().__init__(tokens, costly=True, clock=clock)
         self.draft_step_cost = lambda: StepCostModel([1, 2], [20.0, 20.0])
         self.ms_per_position = ms_per_position
+        self.held: dict[str, int] = {}  # request id -> tokens in its draft cache
+        self.last_max_feed = 0
 
     def propose(self, inputs):
+        feeds = []
+        for i in inputs:
+            feeds.append(len(i.token_ids) - min(self.held.get(i.request_id, 0), len(i.token_ids) - 1))
+            self.held[i.request_id] = len(i.token_ids) + i.num_speculative_tokens - 1
+        self.last_max_feed = max(feeds, default=0)
         self.clock.now += self.ms_per_position * max(i.num_speculative_tokens for i in inputs) / 1000
         return super().propose(inputs)
 
@@ -579,8 +588,8 @@ class SlowChain(Scripted):
 def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monkeypatch):
     """The table prices a draft position at 20 ms against a 100 ms target step: drafting pays. The chain
     really takes 120 ms per position, which does not pay even with every draft accepted: after the first
-    chain the scale reads 6 and the schedule stops drafting, but for a probe every DRAFT_PROBE_EVERY-th
-    decision (which measures the scale again: still 6). The chain's time is not counted as the
+    steady chain the scale reads 6 and the schedule stops drafting, but for probes every
+    DRAFT_PROBE_EVERY-th decision (which measure the scale again: still 6). The chain's time is not counted as the
     decision's own (nothing else takes time here)."""
     from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
@@ -596,7 +605,10 @@ def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monk
         ks.append(len(p.token_ids))
         commit(ad, r, [7] * (len(p.token_ids) + 1))
         ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
-    assert [i for i, k in enumerate(ks) if k] == [0, E, 2 * E]  # priced by the table alone at first, then probes
+    # the first chain feeds the prompt (not timed), the second sets the scale; then every E-th decision
+    # without drafts probes with two decisions at the table's price (the second's chain is steady)
+    assert [i for i, k in enumerate(ks) if k] == [0, 1, 1 + E, 2 + E, 2 + 2 * E, 3 + 2 * E]
+    assert ks[1 + E] > 1 and ks[2 + E] > 1  # the unscaled choice, not a one-token probe
     assert ad.chain_scale(proposer_key(cfg)) == pytest.approx(6.0)
     assert ad.draft_decide_ms == 0.0 and ad.decide_ms_per_request == 0.0
 
@@ -640,9 +652,11 @@ def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(mo
             drafted.append(step)
         commit(ad, r, [7] * (len(p.token_ids) + 1))
         ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
-    # probes at the E-th decision in a row without drafts: medians 10 (10, 10, 1), 5.5, then 1.0
-    assert drafted[:4] == [E - 1, 2 * E - 1, 3 * E - 1, 3 * E]
-    assert drafted[3:] == list(range(3 * E, 6 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
+    # a probe at the E-th decision in a row without drafts is two decisions at the table's price: the
+    # first feeds the tokens missed meanwhile (not timed), the second is timed: medians 10 (10, 10, 1),
+    # 5.5, then 1.0, and the schedule drafts every step again
+    assert drafted[:4] == [E - 1, E, 2 * E, 2 * E + 1]
+    assert drafted[4:] == list(range(3 * E + 1, 6 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
 
 
 def test_a_draft_model_kept_at_k0_by_its_prior_probes_and_learns(monkeypatch):
@@ -660,6 +674,7 @@ def test_a_draft_model_kept_at_k0_by_its_prior_probes_and_learns(monkeypatch):
     rs = [req(f"r{i}", cfg) for i in range(2)]
     for r in rs:
         ad.add_request(r)
+    rs.reverse()  # the explorer (the config's first request) is not the first ask
     ks = []
     for _ in range(8 * E):
         props = ad.draft([(r, 6) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
@@ -667,7 +682,7 @@ def test_a_draft_model_kept_at_k0_by_its_prior_probes_and_learns(monkeypatch):
         for r, p in zip(rs, props):
             commit(ad, r, [7] * (len(p.token_ids) + 1))
         ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
-    assert ks[:E - 1] == [[0, 0]] * (E - 1) and ks[E - 1] == [1, 0]  # the first probe: the explorer, one token
+    assert ks[:E - 1] == [[0, 0]] * (E - 1) and ks[E - 1] == [0, 1]  # the first probe: the explorer, one token
     assert max(max(k) for k in ks[-E:]) >= 3 and all(any(k) for k in ks[-E:])  # learned: drafting on its own
 
 
@@ -681,10 +696,12 @@ def test_a_chain_that_feeds_a_prompt_is_not_timed_into_the_chain_price(monkeypat
     orig = prop.propose
 
     def propose(inputs):  # the first call feeds a 500-token prompt: 10 s more
-        prop.last_max_feed = 500 if not prop.calls else 2
-        if not prop.calls:
+        first = not prop.calls
+        out = orig(inputs)
+        if first:
+            prop.last_max_feed = 500
             clock.now += 10.0
-        return orig(inputs)
+        return out
 
     prop.propose = propose
     ad = AdaptiveK(FLAT, lambda c: prop)
@@ -712,3 +729,34 @@ def test_metrics_export_the_draft_chain_scale_and_step_cost():
     assert 'specserve:step_cost_draft_chain_scale{model="draft"} 1.25' in text
     assert 'specserve:step_cost_forward_seconds{model="draft",num_tokens="2"} 0.021' in text
     assert 'specserve:spec_decode_adaptive_steps_total{k="2",profile="p"} 5.0' in text
+
+
+def test_a_draft_model_is_probed_while_a_free_proposer_beside_it_drafts(monkeypatch):
+    """A batch with an ngram request that drafts every step and a draft-model request its prior keeps at
+    k = 0: the draft model's count of decisions without drafts is its own, so it is probed all the same."""
+    from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
+
+    clock = fake_time(monkeypatch)
+    ncfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    dcfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
+    free = Scripted([7] * 8)
+    dprop = SlowChain([7] * 6, 50.0, clock)
+    dprop.draft_step_cost = lambda: StepCostModel([1, 2], [50.0, 50.0])
+    ad = AdaptiveK(FLAT, lambda c: dprop if c.method == "draft_model" else free)
+
+    def route(asks):
+        return [(dprop if r.spec_config.method == "draft_model" else free).propose(
+            [ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.seed)])[0]
+            for r, k in asks]
+
+    n, d = req("n", ncfg), req("d", dcfg)
+    ad.add_request(n)
+    ad.add_request(d)
+    ks = []
+    for _ in range(E):
+        props = ad.draft([(n, 8), (d, 6)], route, num_other_tokens=0, num_other_seqs=0)
+        ks.append([len(p.token_ids) for p in props])
+        for r, p in zip((n, d), props):
+            commit(ad, r, [7] * (len(p.token_ids) + 1))
+    assert all(k[0] > 0 for k in ks[1:])  # the ngram request drafts (after its first, cautious step)
+    assert [k[1] for k in ks] == [0] * (E - 1) + [1]  # the draft model: probed at its E-th decision without drafts
