@@ -585,6 +585,31 @@ class SlowChain(Scripted):
         return super().propose(inputs)
 
 
+def one_draft_request(monkeypatch, ms_per_position):
+    """An AdaptiveK with one request of an adaptive draft-model config (k <= 6) over FLAT, whose chain
+    takes `ms_per_position` of the fake clock per position (table: 20 ms). Returns (ad, prop, request)."""
+    clock = fake_time(monkeypatch)
+    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
+    prop = SlowChain([7] * 6, ms_per_position, clock)
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    r = req("d", cfg)
+    ad.add_request(r)
+    return ad, prop, r
+
+
+def decide(ad, prop, r, steps, every_step=True):
+    """`steps` decisions for `r` alone, every draft accepted; returns the k of each. With `every_step`,
+    no rest steps (a real engine rests after k = 0; not what these tests are about)."""
+    ks = []
+    for _ in range(steps):
+        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
+        ks.append(len(p.token_ids))
+        commit(ad, r, [7] * (len(p.token_ids) + 1))
+        if every_step:
+            ad.rest_steps = 0
+    return ks
+
+
 def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monkeypatch):
     """The table prices a draft position at 20 ms against a 100 ms target step: drafting pays. The chain
     really takes 120 ms per position, which does not pay even with every draft accepted: after the first
@@ -593,38 +618,21 @@ def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monk
     decision's own (nothing else takes time here)."""
     from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
-    clock = fake_time(monkeypatch)
-    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
-    prop = SlowChain([7] * 6, 120.0, clock)
-    ad = AdaptiveK(FLAT, lambda c: prop)
-    r = req("d", cfg)
-    ad.add_request(r)
-    ks = []
-    for _ in range(2 * E + 4):
-        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
-        ks.append(len(p.token_ids))
-        commit(ad, r, [7] * (len(p.token_ids) + 1))
-        ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
+    ad, prop, r = one_draft_request(monkeypatch, 120.0)
+    ks = decide(ad, prop, r, 2 * E + 4)
     # the first chain feeds the prompt (not timed), the second sets the scale; then every E-th decision
     # without drafts probes with two decisions at the table's price (the second's chain is steady)
     assert [i for i, k in enumerate(ks) if k] == [0, 1, 1 + E, 2 + E, 2 + 2 * E, 3 + 2 * E]
     assert ks[1 + E] > 1 and ks[2 + E] > 1  # the unscaled choice, not a one-token probe
-    assert ad.chain_scale(proposer_key(cfg)) == pytest.approx(6.0)
+    assert ad.chain_scale(proposer_key(r.spec_config)) == pytest.approx(6.0)
     assert ad.draft_decide_ms == 0.0 and ad.decide_ms_per_request == 0.0
 
 
 def test_a_draft_chain_as_fast_as_its_table_keeps_drafting(monkeypatch):
     """The same request with a chain that takes what the table says: scale 1.0, the deep drafts stay."""
-    clock = fake_time(monkeypatch)
-    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
-    prop = SlowChain([7] * 6, 20.0, clock)
-    ad = AdaptiveK(FLAT, lambda c: prop)
-    r = req("d", cfg)
-    ad.add_request(r)
-    for _ in range(20):
-        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
-        commit(ad, r, [7] * (len(p.token_ids) + 1))
-    assert ad.chain_scale(proposer_key(cfg)) == pytest.approx(1.0) and len(p.token_ids) >= 4
+    ad, prop, r = one_draft_request(monkeypatch, 20.0)
+    ks = decide(ad, prop, r, 20, every_step=False)
+    assert ad.chain_scale(proposer_key(r.spec_config)) == pytest.approx(1.0) and ks[-1] >= 4
 
 
 def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(monkeypatch):
@@ -633,25 +641,12 @@ def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(mo
     table's time, and once they are the median the schedule drafts every step again."""
     from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
-    clock = fake_time(monkeypatch)
-    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
-    prop = SlowChain([7] * 6, 20.0, clock)
-    ad = AdaptiveK(FLAT, lambda c: prop)
-    r = req("d", cfg)
-    ad.add_request(r)
-    for _ in range(4):  # learn that every draft is accepted, at the table's speed
-        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
-        commit(ad, r, [7] * (len(p.token_ids) + 1))
-    key = proposer_key(cfg)
+    ad, prop, r = one_draft_request(monkeypatch, 20.0)
+    decide(ad, prop, r, 4, every_step=False)  # learn that every draft is accepted, at the table's speed
+    key = proposer_key(r.spec_config)
     ad._chain_ratios[key].clear()
     ad._chain_ratios[key].extend([10.0, 10.0])  # two chains that a pause slowed 10x
-    drafted = []
-    for step in range(6 * E):
-        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
-        if p.token_ids:
-            drafted.append(step)
-        commit(ad, r, [7] * (len(p.token_ids) + 1))
-        ad.rest_steps = 0  # decide every step (a real engine would rest after k = 0; not what is tested)
+    drafted = [i for i, k in enumerate(decide(ad, prop, r, 6 * E)) if k]
     # a probe at the E-th decision in a row without drafts is two decisions at the table's price: the
     # first feeds the tokens missed meanwhile (not timed), the second is timed: medians 10 (10, 10, 1),
     # 5.5, then 1.0, and the schedule drafts every step again
@@ -690,9 +685,7 @@ def test_a_chain_that_feeds_a_prompt_is_not_timed_into_the_chain_price(monkeypat
     """A draft chain that first ingests a request's prompt (its proposer's `last_max_feed` above
     STEADY_FEED) takes far longer than its table says, but that is not a price of this step's k: it is
     left out of chain_scale, which the steady chains after it set alone."""
-    clock = fake_time(monkeypatch)
-    cfg = SpeculativeConfig("draft_model", 6, model="m", num_speculative_tokens_schedule="adaptive")
-    prop = SlowChain([7] * 6, 20.0, clock)
+    ad, prop, r = one_draft_request(monkeypatch, 20.0)
     orig = prop.propose
 
     def propose(inputs):  # the first call feeds a 500-token prompt: 10 s more
@@ -700,18 +693,13 @@ def test_a_chain_that_feeds_a_prompt_is_not_timed_into_the_chain_price(monkeypat
         out = orig(inputs)
         if first:
             prop.last_max_feed = 500
-            clock.now += 10.0
+            prop.clock.now += 10.0
         return out
 
     prop.propose = propose
-    ad = AdaptiveK(FLAT, lambda c: prop)
-    r = req("d", cfg)
-    ad.add_request(r)
-    for _ in range(8):
-        (p,) = ad.draft([(r, 6)], via(prop), num_other_tokens=0, num_other_seqs=0)
-        commit(ad, r, [7] * (len(p.token_ids) + 1))
-    key = proposer_key(cfg)
-    assert len(ad._chain_ratios[key]) == 7 and ad.chain_scale(key) == pytest.approx(1.0) and p.token_ids
+    ks = decide(ad, prop, r, 8, every_step=False)
+    key = proposer_key(r.spec_config)
+    assert len(ad._chain_ratios[key]) == 7 and ad.chain_scale(key) == pytest.approx(1.0) and ks[-1]
 
 
 def test_metrics_export_the_draft_chain_scale_and_step_cost():
