@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -114,14 +115,34 @@ def _n_logprobs(choice: dict) -> int | None:
     return None
 
 
+_SSE_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of a text stream as the SSE spec (WHATWG HTML, "Parsing an event stream") ends them: at
+    CRLF, LF or CR only. Not `str.splitlines()`, which httpx's `aiter_lines` uses: it also ends lines at
+    U+2028, U+2029, U+0085 and a few control characters, which a server may send raw inside a JSON string
+    (vLLM and specserve before session 16 did), and would cut an event in two."""
+    buf = ""
+    async for text in chunks:
+        buf += text
+        lines = _SSE_EOL.split(buf)
+        buf = lines.pop()  # the unterminated rest (a CR at the end may be half a CRLF: the next LF is then a blank line)
+        for line in lines:
+            yield line
+    if buf:
+        yield buf
+
+
 async def sse_events(resp: httpx.Response, t0: float) -> AsyncIterator[tuple[float, dict]]:
     """The SSE reader: (ms since `t0`, parsed JSON) for each `data:` event of a streamed response,
-    until `data: [DONE]`; other lines (comments, blank separators) are skipped.
+    until `data: [DONE]`; other lines (comments, blank separators) are skipped. Lines end only where the
+    SSE spec ends them (`sse_lines`).
 
     Raises:
         ValueError: an event is not valid JSON.
     """
-    async for line in resp.aiter_lines():
+    async for line in sse_lines(resp.aiter_text()):
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()

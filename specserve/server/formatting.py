@@ -27,8 +27,17 @@ from specserve.outputs import SpecStats, TokenLogprob
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# Characters that str.splitlines() treats as line ends but JSON leaves raw in strings (json.dumps with
+# ensure_ascii=False escapes only those below U+0020): a client that splits an SSE stream into lines that
+# way (httpx's `aiter_lines` does) would cut an event in two at a generated U+2028. Escaped, the JSON
+# value is the same.
+_LINE_END_ESCAPES = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event carrying `obj` as JSON (UTF-8, compact), with the characters some line
+    splitters take for line ends escaped (`_LINE_END_ESCAPES`), so the event is one line for any client."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':')).translate(_LINE_END_ESCAPES)}\n\n"
 
 
 class TokenText:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,7 +264,8 @@ def check_answer(bad: BadRequest | None, status: int, text: str, stream: bool = 
 
 def _check_ok(text: str, stream: bool) -> str | None:
     if stream:
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        # SSE lines end at LF (or CR): not str.splitlines(), which also splits at U+2028 inside a JSON string
+        events = [line[6:] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             return "stream without [DONE]"
         for e in events[:-1]:

@@ -226,3 +226,29 @@ def test_repeats_run_the_profiles_in_a_rotated_order():
     assert order == [(0, "c=1", "baseline"), (0, "c=1", "ngram_4"), (0, "c=2", "baseline"), (0, "c=2", "ngram_4"),
                      (1, "c=1", "ngram_4"), (1, "c=1", "baseline"), (1, "c=2", "ngram_4"), (1, "c=2", "baseline")]
     assert [g["profile"] for g in summary["groups"]] == ["baseline", "baseline", "ngram_4", "ngram_4"]
+
+
+def test_sse_lines_end_only_where_the_sse_spec_ends_them():
+    """A generated U+2028 (or U+2029, U+0085) raw inside an event's JSON string: httpx's
+    aiter_lines (str.splitlines) cut the event in two and the bench counted a JSONDecodeError as a failed
+    request (a flaky e2e failure, creative text at temperature 1 on the tiny model). Lines end at CRLF,
+    LF or CR only, also when a chunk boundary falls inside a CRLF or an event."""
+    import asyncio
+
+    from specserve.bench.client import sse_lines
+
+    event = 'data: {"text":"a\u2028b\u2029c\x85d"}'
+    stream = f"{event}\r\n\r\n{event}\n\n{event}\r\rdata: [DONE]\n\n"
+
+    async def chunks(size):
+        for i in range(0, len(stream), size):
+            yield stream[i:i + size]
+
+    async def collect(size):
+        return [line async for line in sse_lines(chunks(size))]
+
+    for size in (1, 2, 3, 7, len(stream)):
+        lines = [x for x in asyncio.run(collect(size)) if x]
+        assert lines == [event, event, event, "data: [DONE]"], size
+        assert json.loads(lines[0][6:])["text"] == "a\u2028b\u2029c\x85d"
+    assert "".join(stream.splitlines()).count("data:") == 4 and len([x for x in stream.splitlines() if x]) > 4

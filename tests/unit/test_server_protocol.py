@@ -183,3 +183,18 @@ def test_metrics_names_parse_and_own_registry():
     assert samples[("specserve:kv_cache_usage_perc", ())] == 0.25
     assert samples[("specserve:num_requests_running", ())] == 2
     assert b"ngram_4" not in m2.render()  # separate registries
+
+
+def test_an_sse_event_is_one_line_for_any_line_splitter():
+    """Text with U+2028, U+2029 or U+0085 (which str.splitlines, and so httpx's aiter_lines, take for line
+    ends) goes out escaped in the event's JSON: the event stays one line, and the value is the same."""
+    import json
+
+    from specserve.server.formatting import sse
+
+    text = "a\u2028b\u2029c\x85d\nf"
+    ev = sse({"choices": [{"delta": {"content": text}}]})
+    body = ev[len("data: "):-2]
+    assert ev.endswith("\n\n") and len([x for x in ev.splitlines() if x]) == 1 and "\u2028" not in ev
+    assert json.loads(body)["choices"][0]["delta"]["content"] == text
+    assert sse({"t": "héllo"}) == 'data: {"t":"héllo"}\n\n'  # other non-ASCII stays UTF-8
