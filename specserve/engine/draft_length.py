@@ -464,7 +464,8 @@ class AdaptiveK(ConfiguredK):
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=lambda n, c=cost, s=scale: s * c.forward_ms(n, n)))
-        self._option_rids = [asks[i][0].request_id for i in chosen]  # per option, its request (for `_probe`)
+        if chain_cost:  # per option, its request (for `_probe`)
+            self._option_rids = [asks[i][0].request_id for i in chosen]
 
         def choose(opts: list[DraftOption]) -> Choice:
             return choose_draft_lengths(opts, self.step_cost.step_ms, num_other_tokens=other_tokens,
