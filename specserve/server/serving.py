@@ -141,13 +141,15 @@ async def handle_generate(state: ServerState, request: Request, chat: bool):
             raise APIError(404, f"model {req.model[:80]!r} does not exist; this server serves {state.model_name!r}",
                            param="model", code="model_not_found")
         requested = req.profile or request.headers.get(PROFILE_HEADER)
+        # the error names where the profile came from: the body's `profile` field or the header
+        source = "profile" if req.profile else PROFILE_HEADER
         try:
             choice = state.policy.choose(sticky_key=parsed.sticky_key or request.headers.get(SESSION_HEADER),
                                          requested=requested)
         except ProfileForbidden as e:
-            raise APIError(403, str(e), param="profile", code="profile_override_forbidden") from None
+            raise APIError(403, str(e), param=source, code="profile_override_forbidden") from None
         except UnknownProfile as e:
-            raise APIError(400, str(e), param="profile", code="unknown_profile") from None
+            raise APIError(400, str(e), param=source, code="unknown_profile") from None
         profile = choice.profile
         record.update(profile=profile.name, profile_reason=choice.reason, rollout_step=choice.step,
                       method=profile.method, k=profile.num_speculative_tokens)

@@ -237,3 +237,14 @@ def test_continuous_usage_stats_counts_every_chunk_exactly(server, chat, profile
     # continuous_usage_stats alone (without include_usage) adds nothing, as in vLLM
     alone = _sse(server, path, {**body, "stream_options": {"continuous_usage_stats": True}, "n": 1})
     assert all(e.get("usage") is None for e in alone)
+
+
+def test_an_unknown_profile_error_names_where_it_came_from(server):
+    """The `profile` body field or the x-specserve-profile header: the 400's `param` names the one used."""
+    url = server.base_url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "p", "max_tokens": 2}
+    r = httpx.post(url, json={**body, "profile": "nope"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "profile"
+    assert r.json()["error"]["code"] == "unknown_profile"
+    r = httpx.post(url, json=body, headers={"x-specserve-profile": "nope"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-specserve-profile"
