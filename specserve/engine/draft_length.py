@@ -141,6 +141,12 @@ DRAFT_PROBE_EVERY = 16  # a draft model whose requests all got k = 0 this many d
 STEADY_FEED = 2  # a steady chain feeds each request at most this many tokens (see the module docstring)
 
 
+def draft_forward_ms(cost: StepCostModel, scale: float = 1.0) -> Callable[[int], float]:
+    """A draft group's `draft_cost_ms`: ms of one draft forward over n sequences of one token each, from
+    the draft model's measured `cost`, times `scale` (its `chain_scale`)."""
+    return lambda n: scale * cost.forward_ms(n, n)
+
+
 def chain_ms(cost: StepCostModel, ks: Sequence[int]) -> float:
     """The modelled time (ms) of one draft chain that drafts ks[i] tokens for request i: position j is one
     draft forward over the requests with k >= j, one token each (`cost.forward_ms(n_j, n_j)`), the price
@@ -209,9 +215,7 @@ class AdaptiveK(ConfiguredK):
         # the decisions in a row in which every request of it got k = 0 (see `_probe`)
         self._chain_ratios: dict[Any, deque] = defaultdict(lambda: deque(maxlen=CHAIN_SAMPLES))
         self._chain_idle: dict[Any, int] = defaultdict(int)
-        self._option_rids: list[str] = []  # the request of each option of the current decision
         self._probe_next: set = set()  # draft models whose next decision is priced at the table (see `_probe`)
-        self._chain_ms_step = 0.0  # realised ms of the draft chains of the current decision
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config (every EXPLORE_EVERY-th of its config, the first
@@ -302,9 +306,9 @@ class AdaptiveK(ConfiguredK):
             return out
         self.hold_steps = 0  # over, or every request held with drafts has left: decide
         t0 = time.perf_counter()
-        props, proposed = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
+        props, proposed, chain_ms_step = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
         ms = 1000 * (time.perf_counter() - t0)
-        host = ms - self._chain_ms_step  # a draft chain is priced by chain_scale, not as deciding
+        host = ms - chain_ms_step  # a draft chain is priced by chain_scale, not as deciding
         self.decide_ms = host if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * host
         if proposed:  # the price of drafting: the decision's own time
             self.draft_decide_ms = host if not self.draft_decide_ms else 0.9 * self.draft_decide_ms + 0.1 * host
@@ -415,10 +419,10 @@ class AdaptiveK(ConfiguredK):
         counts[k] += n
 
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
-                  other_seqs: int) -> tuple[list[Proposal], int]:
+                  other_seqs: int) -> tuple[list[Proposal], int, float]:
         """The decision for the adaptive asks: their proposals cut to the chosen k, and how many requests
         were proposed for (a free proposer called, or a draft model drafting k > 0; if any, the decision's
-        time less the draft chains' counts as the price of drafting)."""
+        time less the draft chains' counts as the price of drafting), and the draft chains' wall ms."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         by_config: dict[Any, list[int]] = defaultdict(list)
@@ -453,9 +457,11 @@ class AdaptiveK(ConfiguredK):
                                                                   p.match_len, p.confidence)))
             else:
                 other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
+        drafters: dict[Any, Proposer] = {}  # costly proposer key -> its proposer (a draft model)
         chain_cost: dict[Any, StepCostModel] = {}  # costly proposer key -> its draft model's StepCostModel
         for key, idx in costly.items():
-            cost = chain_cost[key] = self.proposer_of(asks[idx[0]][0].spec_config).draft_step_cost()
+            drafter = drafters[key] = self.proposer_of(asks[idx[0]][0].spec_config)
+            cost = chain_cost[key] = drafter.draft_step_cost()
             # the decision after a scale probe is priced at the table too: its chain is steady and is timed
             scale = 1.0 if key in self._probe_next else self.chain_scale(key)
             self._probe_next.discard(key)
@@ -463,9 +469,7 @@ class AdaptiveK(ConfiguredK):
                 r, cap = asks[i]
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
-                                           draft_cost_ms=lambda n, c=cost, s=scale: s * c.forward_ms(n, n)))
-        if chain_cost:  # per option, its request (for `_probe`)
-            self._option_rids = [asks[i][0].request_id for i in chosen]
+                                           draft_cost_ms=draft_forward_ms(cost, scale)))
 
         def choose(opts: list[DraftOption]) -> Choice:
             return choose_draft_lengths(opts, self.step_cost.step_ms, num_other_tokens=other_tokens,
@@ -475,7 +479,7 @@ class AdaptiveK(ConfiguredK):
 
         choice = choose(options)
         if chain_cost:
-            choice = self._probe(choice, options, chain_cost, choose)
+            choice = self._probe(choice, options, [asks[i][0].request_id for i in chosen], chain_cost, choose)
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -488,7 +492,7 @@ class AdaptiveK(ConfiguredK):
             else:
                 out.append(Proposal(p.token_ids[:k], p.draft_probs[:k] if p.draft_probs is not None else None,
                                     p.match_len, p.confidence[:k] if p.confidence else None))
-        self._chain_ms_step = 0.0
+        chain_ms_step = 0.0  # realised ms of this decision's draft chains
         drafted = 0
         for key, idx in costly.items():  # a draft model drafts exactly the chosen k, one chain per model
             todo = [i for i in idx if ks.get(i, 0) > 0]
@@ -497,8 +501,8 @@ class AdaptiveK(ConfiguredK):
             t0 = time.perf_counter()
             props = propose([(asks[i][0], ks[i]) for i in todo])
             real_ms = 1000 * (time.perf_counter() - t0)
-            self._chain_ms_step += real_ms
-            feed = getattr(self.proposer_of(asks[todo[0]][0].spec_config), "last_max_feed", None)
+            chain_ms_step += real_ms
+            feed = getattr(drafters[key], "last_max_feed", None)
             if feed is None or feed <= STEADY_FEED:  # a steady chain: no prompt, no catch-up
                 self._observe_chain(key, real_ms, chain_ms(chain_cost[key], [ks[i] for i in todo]))
             drafted += len(todo)
@@ -507,7 +511,7 @@ class AdaptiveK(ConfiguredK):
                 drafts = list(p.token_ids[: ks[i]])
                 out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
-        return out, len(full.keys() - skip) + drafted
+        return out, len(full.keys() - skip) + drafted, chain_ms_step
 
     def chain_scale(self, key: Any) -> float:
         """How much longer proposer `key`'s draft chains take than its table says: the median of the
@@ -524,8 +528,8 @@ class AdaptiveK(ConfiguredK):
         if model_ms > 0.0:
             self._chain_ratios[key].append(real_ms / model_ms)
 
-    def _probe(self, choice: Choice, options: list[DraftOption], chain_cost: dict[Any, StepCostModel],
-               choose: Callable[[list[DraftOption]], Choice]) -> Choice:
+    def _probe(self, choice: Choice, options: list[DraftOption], rids: list[str],
+               chain_cost: dict[Any, StepCostModel], choose: Callable[[list[DraftOption]], Choice]) -> Choice:
         """Probes for draft models that drafted nothing lately. A draft model learns only from drafts it
         made (unlike a free proposer, whose drafts are recorded at full length even when cut to k = 0),
         so estimates or a chain scale that keep all its requests at k = 0 would never be measured again.
@@ -538,7 +542,7 @@ class AdaptiveK(ConfiguredK):
         - otherwise one of its requests (an explorer where one is in the batch) drafts one token, whose
           outcome updates the acceptance estimates (the request's and its profile's prior; an untested
           deeper position takes the one before it, so an accepted probe can lead to longer drafts).
-        Returns the choice to make; with one-token probes added, its value, step_ms and
+        `rids` are the options' request ids. Returns the choice to make; with one-token probes added, its value, step_ms and
         expected_tokens are still those of the choice it started from."""
         groups = {key: [p for p, o in enumerate(options) if o.draft_group == key] for key in chain_cost}
         due = []
@@ -554,7 +558,7 @@ class AdaptiveK(ConfiguredK):
             return choice
         scaled = [key for key in due if self.chain_scale(key) > 1.0]
         if scaled:
-            unscaled = [replace(o, draft_cost_ms=lambda n, c=chain_cost[o.draft_group]: c.forward_ms(n, n))
+            unscaled = [replace(o, draft_cost_ms=draft_forward_ms(chain_cost[o.draft_group]))
                         if o.draft_group in scaled else o for o in options]
             again = choose(unscaled)
             drafted = [key for key in scaled if any(again.ks[p] for p in groups[key])]
@@ -565,7 +569,7 @@ class AdaptiveK(ConfiguredK):
         for key in due:
             mine = groups[key]
             if not any(ks[p] for p in mine):
-                pick = next((p for p in mine if self._option_rids[p] in self._explorers), mine[0])
+                pick = next((p for p in mine if rids[p] in self._explorers), mine[0])
                 ks[pick] = 1
         return choice if ks == list(choice.ks) else Choice(ks, choice.value, choice.step_ms, choice.expected_tokens)
 
