@@ -44,6 +44,29 @@ class StepLog:
         self.cur[key] = self.cur.get(key, 0.0) + ms
 
 
+def chain_logger(prop, propose, log: StepLog):
+    """Wrap a draft model's propose: per step, the chains' wall ms, the most tokens one request fed and
+    the tokens fed in all (a prompt or catch-up makes the first forward leave the CUDA graphs)."""
+    def wrapper(inputs):
+        feeds = [prop.pending_feed(i.request_id, i.token_ids) for i in inputs if i.num_speculative_tokens > 0]
+        t0 = time.perf_counter()
+        out = propose(inputs)
+        log.add("chain_ms", 1e3 * (time.perf_counter() - t0))
+        log.cur["chain_max_feed"] = max(log.cur.get("chain_max_feed", 0), max(feeds, default=0))
+        log.cur["chain_feed_tokens"] = log.cur.get("chain_feed_tokens", 0) + sum(feeds)
+        log.cur["chain_k"] = max(log.cur.get("chain_k", 0), max((i.num_speculative_tokens for i in inputs), default=0))
+        return out
+    return wrapper
+
+
+def instrument_chains(eng, log: StepLog) -> None:
+    """Wrap the propose of every draft model the engine has now (once each)."""
+    for prop in {id(p): p for p in eng._proposers.values()}.values():
+        if hasattr(prop, "pending_feed") and not getattr(prop, "_diag", False):
+            prop._diag = True
+            prop.propose = chain_logger(prop, prop.propose, log)
+
+
 def instrument(eng, log: StepLog) -> None:
     """Wrap step, schedule, _propose, _commit and to_host of one engine (once)."""
     import specserve.engine.llm_engine as le
@@ -148,6 +171,25 @@ def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
                        round(statistics.median(r["committed"] for r in chose), 2)],
             "tokens_per_ms": [round(sum(r["pred_tokens"] for r in chose) / sum(r["pred_ms"] for r in chose), 3),
                               round(sum(r["committed"] for r in chose) / sum(r["wall_ms"] for r in chose), 3)]}
+    chose16 = [r for r in chose if r["seqs"] >= 12]
+    if chose16:
+        out["drafting_decisions_expected_vs_realised_12plus_seqs"] = {
+            "steps": len(chose16),
+            "step_ms": [round(statistics.median(r["pred_ms"] for r in chose16), 3),
+                        round(statistics.median(r["wall_ms"] for r in chose16), 3)],
+            "tokens": [round(statistics.median(r["pred_tokens"] for r in chose16), 2),
+                       round(statistics.median(r["committed"] for r in chose16), 2)]}
+    chains = [r for r in rows if "chain_ms" in r]
+    if chains:  # a draft model's chains: steady (no request fed more than 2 tokens) or feeding a prompt/catch-up
+        def part(rs):
+            return {"chains": len(rs), "median_ms": round(statistics.median(r["chain_ms"] for r in rs), 3),
+                    "total_ms": round(sum(r["chain_ms"] for r in rs), 1),
+                    "median_feed_tokens": statistics.median(r["chain_feed_tokens"] for r in rs),
+                    "steps_with_prefill": sum(1 for r in rs if r.get("prefills"))} if rs else {"chains": 0}
+        out["draft_chains"] = {"steady": part([r for r in chains if r["chain_max_feed"] <= 2]),
+                               "feeding": part([r for r in chains if r["chain_max_feed"] > 2]),
+                               "steady_12plus_seqs_k5": part([r for r in chains if r["chain_max_feed"] <= 2
+                                                              and r["seqs"] >= 12 and r.get("chain_k") == 5])}
     plain = [r for r in dec if not r.get("drafts") and r["seqs"] >= 12]
     if plain:
         out["plain_steps_12plus_seqs_tokens_per_ms"] = round(
@@ -182,7 +224,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke test of the script")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap each prompt's max_tokens (smoke tests)")
+    ap.add_argument("--feed-batch", type=int, default=None, help="set the adaptive schedule's FEED_BATCH (A/B)")
     args = ap.parse_args()
+    if args.feed_batch is not None:
+        from specserve.engine import draft_length
+
+        draft_length.FEED_BATCH = args.feed_batch
     samples = json.loads(Path(args.prompts).read_text())["samples"]
     if args.max_tokens:
         samples = [{**s, "max_tokens": min(s["max_tokens"], args.max_tokens)} for s in samples]
@@ -203,6 +250,7 @@ def main() -> None:
                 eng.set_proposer(c, make_proposer(c, eng.proposer_context))
             if eng.adaptive is not None:
                 instrument_adaptive(eng.adaptive, log)
+            instrument_chains(eng, log)
             log.rows = []
             prof = cProfile.Profile() if (n == args.profile and rep == args.reps) else None
             if prof:
@@ -226,6 +274,8 @@ def main() -> None:
             s["propose_ms_per_request"] = {str(k[0]): round(v, 4) for k, v in ad.propose_ms.items()}
             if hasattr(eng._proposers.get(proposer_key(c)), "draft_step_cost"):  # a draft model's chain scale
                 s["draft_chain_scale"] = round(ad.chain_scale(proposer_key(c)), 3)
+                dcm = eng._proposers[proposer_key(c)].draft_step_cost()
+                s["draft_forward_ms"] = {f"{n}seqs": round(dcm.forward_ms(n, n), 3) for n in (1, 4, 16)}
         res["profiles"][n] = s
         print(n, json.dumps(s), flush=True)
         if prof:

@@ -4,6 +4,8 @@ Python garbage collector paused the engine, with and without `gc.freeze()` after
     python benchmarks/gpu/c16_reps.py --prompts prompts.json --out c16_reps.json \
         --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct:qwen2.5-coder-0.5b-instruct
 
+A profile given as NAME@fbN runs NAME with the adaptive schedule's FEED_BATCH set to N (N = 1: every
+prompt or catch-up fed to a draft model at once, as before the feed batching), for a paired A/B.
 Per model: every profile once to warm up, then `--reps` runs per mode in a rotating order; each suffix
 run gets a fresh proposer (an empty global tree: no replay of an earlier run's outputs of the same
 prompts). Mode "default" leaves the collector as it is; mode "gc_freeze" calls gc.collect(); gc.freeze()
@@ -41,6 +43,7 @@ class GcPauses:
 
 def main() -> None:
     from specserve import LLM
+    from specserve.engine import draft_length
     from specserve.spec_decode import make_proposer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -60,8 +63,8 @@ def main() -> None:
         eng = llm.engine
         cfgs = bg.method_configs(draft or None, {m: bg.METHODS[m] for m in bg.C16_PROFILES})
         cfgs.update(bg.method_configs(draft or None, bg.C16_EXTRA))
-        if args.profiles:
-            cfgs = {n: cfgs[n] for n in args.profiles.split(",") if n in cfgs}
+        if args.profiles:  # NAME@fbN: profile NAME with draft_length.FEED_BATCH = N (an A/B of the feed batching)
+            cfgs = {n: cfgs[n.partition("@")[0]] for n in args.profiles.split(",") if n.partition("@")[0] in cfgs}
         names = list(cfgs)
 
         def run(n):
@@ -70,10 +73,14 @@ def main() -> None:
                 eng.set_proposer(c, make_proposer(c, eng.proposer_context))
             pauses = GcPauses()
             gc.callbacks.append(pauses)
+            feed_batch = draft_length.FEED_BATCH
+            if "@fb" in n:
+                draft_length.FEED_BATCH = int(n.partition("@fb")[2])
             try:
                 r = bg.concurrent(llm, samples, c, args.requests)
             finally:
                 gc.callbacks.remove(pauses)
+                draft_length.FEED_BATCH = feed_batch
             out = {"tok_s": r["total_tok_s"], "seconds": r["seconds"], "gc_ms": pauses.ms}
             if c is not None and c.adaptive and eng.adaptive is not None:  # what the schedule chose, cumulative
                 cm = eng.adaptive.step_cost

@@ -139,6 +139,8 @@ MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
 CHAIN_SAMPLES = 16  # chain_scale: the median realised/modelled ratio of this many recent steady chains
 DRAFT_PROBE_EVERY = 16  # a draft model whose requests all got k = 0 this many decisions in a row drafts a probe
 STEADY_FEED = 2  # a steady chain feeds each request at most this many tokens (see the module docstring)
+FEED_BATCH = 4  # a draft model feeds prompts and catch-ups to this many requests at once (see `_feeds_ready`)
+FEED_WAIT = 8  # ... or to those that waited this many decisions for the others
 
 
 def draft_forward_ms(cost: StepCostModel, scale: float = 1.0) -> Callable[[int], float]:
@@ -216,6 +218,7 @@ class AdaptiveK(ConfiguredK):
         self._chain_ratios: dict[Any, deque] = defaultdict(lambda: deque(maxlen=CHAIN_SAMPLES))
         self._chain_idle: dict[Any, int] = defaultdict(int)
         self._probe_next: set = set()  # draft models whose next decision is priced at the table (see `_probe`)
+        self._feed_wait: dict[str, int] = {}  # request id -> decisions it waited to be fed (see `_feeds_ready`)
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config (every EXPLORE_EVERY-th of its config, the first
@@ -465,8 +468,12 @@ class AdaptiveK(ConfiguredK):
             # the decision after a scale probe is priced at the table too: its chain is steady and is timed
             scale = 1.0 if key in self._probe_next else self.chain_scale(key)
             self._probe_next.discard(key)
+            ready = self._feeds_ready(drafter, [asks[i][0] for i in idx])
             for i in idx:
                 r, cap = asks[i]
+                if r.request_id not in ready:  # a plain decode in this step, waiting to be fed with others
+                    other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
+                    continue
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=draft_forward_ms(cost, scale)))
@@ -508,10 +515,35 @@ class AdaptiveK(ConfiguredK):
             drafted += len(todo)
             for i, p in zip(todo, props):
                 r = asks[i][0]
+                self._feed_wait.pop(r.request_id, None)  # fed: it is in the draft's cache now
                 drafts = list(p.token_ids[: ks[i]])
                 out[i] = Proposal(drafts, p.draft_probs[: len(drafts)] if p.draft_probs is not None else None)
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
         return out, len(full.keys() - skip) + drafted, chain_ms_step
+
+    def _feeds_ready(self, drafter: Any, reqs: Sequence[Request]) -> set[str]:
+        """The ids of `reqs` (one draft model's asks) that may draft in this decision. A request whose
+        draft is behind by more than STEADY_FEED tokens (a prompt the draft has not seen, or a catch-up
+        after k = 0 steps: the drafter's `pending_feed`) makes the chain's first forward leave the draft's
+        CUDA graphs, and an eager forward costs about the same for one prompt as for several (it is
+        launch-bound on a GPU). So such requests wait, decoding plainly, until FEED_BATCH of them (or all
+        of the draft's requests in the step, when fewer) are behind, or one of them has waited FEED_WAIT
+        decisions; then all of them may draft together. Requests that are not behind may always draft.
+        Only where the drafter says its feeds are launch-bound (`feed_batching`: on a GPU; on a CPU a
+        forward's time follows its tokens and waiting would save nothing); a drafter without
+        `pending_feed` lets every request draft."""
+        pending = getattr(drafter, "pending_feed", None)
+        ids = {r.request_id for r in reqs}
+        if pending is None or not getattr(drafter, "feed_batching", False):
+            return ids
+        behind = [r.request_id for r in reqs if pending(r.request_id, r.all_token_ids) > STEADY_FEED]
+        if not behind:
+            return ids
+        if len(behind) >= min(FEED_BATCH, len(reqs)) or max(self._feed_wait.get(rid, 0) for rid in behind) >= FEED_WAIT:
+            return ids
+        for rid in behind:
+            self._feed_wait[rid] = self._feed_wait.get(rid, 0) + 1
+        return ids.difference(behind)
 
     def chain_scale(self, key: Any) -> float:
         """How much longer proposer `key`'s draft chains take than its table says: the median of the
@@ -659,6 +691,7 @@ class AdaptiveK(ConfiguredK):
         rid = req.request_id
         self.tracker.finish_request(rid)
         self._skipped.pop(rid, None)
+        self._feed_wait.pop(rid, None)
         self._offered.pop(rid, None)
         self._retry.discard(rid)
         self._unretire(rid)

@@ -79,6 +79,9 @@ class DraftModelProposer:
         # that drafted in the step before: the draft keeps its own drafts; its prompt for a new one): the
         # adaptive schedule times only chains without a prompt or catch-up (`AdaptiveK.chain_scale`)
         self.last_max_feed = 0
+        # on a GPU a forward that leaves the CUDA graphs (a prompt or a catch-up fed) is launch-bound: it costs
+        # about as much for one request as for several, so the adaptive schedule gathers them (`pending_feed`)
+        self.feed_batching = torch.device(context.device).type == "cuda"
 
     def draft_step_cost(self):
         """The measured time of one draft forward (`StepCostModel`, cached per model and device; measured
@@ -100,6 +103,28 @@ class DraftModelProposer:
                 self.seqs[request_id] = _DraftSeq(self.draft.kv.allocate())
         return self.seqs[request_id]
 
+    @staticmethod
+    def _kept(seq: _DraftSeq, ids: list[int]) -> int:
+        """How many of `ids` (a request's tokens) the draft keeps in its cache for the next forward: the
+        common prefix with what it has cached, less at least the newest token (fed to get its logits).
+        Only the tail past the verified prefix can differ (the last step's drafts), so only that is compared."""
+        v = min(seq.verified, len(ids), len(seq.cached))
+        return min(v + common_prefix_len(seq.cached[v:], ids[v:]), len(ids) - 1)
+
+    def pending_feed(self, request_id: str, token_ids: list[int]) -> int:
+        """Tokens the next `propose` for this request would feed in its first forward (read-only): its
+        whole prompt and output for a request the draft has not seen (less a prefix-cache hit), what it
+        missed for one that was given k = 0 meanwhile, 1 or 2 in the steady state. The adaptive schedule
+        gathers the large ones into one forward (`AdaptiveK`, FEED_BATCH)."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            return len(token_ids) - self._kept(seq, token_ids)
+        n = 0
+        if self.prefix_caching:
+            _, n = self.draft.kv.longest_prefix(token_ids)
+            n = n if n >= self.prefix_cache_min_tokens else 0
+        return len(token_ids) - n
+
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [R, Vd] -> [R, V_target]: extra draft ids dropped, missing ones never drafted."""
         V = self.target_vocab
@@ -119,10 +144,7 @@ class DraftModelProposer:
                 plans.append((inp, None, 0))
                 continue
             seq = self._seq(inp.request_id, ids)
-            # only the tail past the verified prefix can differ (the last step's drafts): compare that
-            v = min(seq.verified, len(ids), len(seq.cached))
-            n = v + common_prefix_len(seq.cached[v:], ids[v:])
-            n = min(n, len(ids) - 1)  # always feed at least the newest token, to get its logits
+            n = self._kept(seq, ids)
             self.draft.kv.truncate(seq.slot, n)
             del seq.cached[n:]
             seq.verified = n

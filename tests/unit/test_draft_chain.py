@@ -48,3 +48,33 @@ def test_greedy_chain_equals_step_by_step(tiny_model_dir, tmp_path, device):
     for r in ctx:
         assert chain.draft.kv.lengths[chain.seqs[r].slot] == steps.draft.kv.lengths[steps.seqs[r].slot]
 
+
+
+def test_pending_feed_is_what_the_next_propose_feeds(tiny_model_dir, tmp_path):
+    """`pending_feed` (read-only) equals the tokens the next propose feeds a request in its first
+    forward (`last_max_feed` for one request): its whole prompt before it drafted, 1 after a rejected
+    draft, 2 when every draft was accepted (the last draft and the bonus token), and everything
+    committed meanwhile after steps it did not draft in."""
+    from tests.helpers.tiny_model import make_tiny_model
+
+    p = _proposer(tiny_model_dir, make_tiny_model(tmp_path, arch="qwen2", seed=3), True, "cpu")
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    ids = [1, 5, 9, 14, 3, 8, 2]
+
+    def step(k):
+        feed = p.pending_feed("a", ids)
+        (prop,) = p.propose([ProposalInput("a", list(ids), 3, k, greedy, 0)])
+        assert p.last_max_feed == feed
+        return feed, prop.token_ids
+
+    feed, drafts = step(3)
+    assert feed == len(ids)  # a request the draft has not seen: its prompt
+    ids += drafts + [4]  # every draft accepted, then the bonus token
+    feed, drafts = step(3)
+    assert feed == 2
+    ids += [drafts[0] + 1]  # the first draft rejected: its recovered token
+    feed, drafts = step(3)
+    assert feed == 1
+    ids += [drafts[0] + 1, 6, 6]  # three plain steps (k = 0), the first unlike its cached draft
+    feed, _ = step(2)
+    assert feed == 3

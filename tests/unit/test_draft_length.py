@@ -748,3 +748,78 @@ def test_a_draft_model_is_probed_while_a_free_proposer_beside_it_drafts(monkeypa
             commit(ad, r, [7] * (len(p.token_ids) + 1))
     assert all(k[0] > 0 for k in ks[1:])  # the ngram request drafts (after its first, cautious step)
     assert [k[1] for k in ks] == [0] * (E - 1) + [1]  # the draft model: probed at its E-th decision without drafts
+
+
+class FeedingChain(SlowChain):
+    """SlowChain on a launch-bound device: it says what its next propose would feed each request
+    (`pending_feed`), so the schedule gathers the requests it must feed a prompt or catch-up."""
+
+    feed_batching = True
+
+    def pending_feed(self, request_id, token_ids):
+        return len(token_ids) - min(self.held.get(request_id, 0), len(token_ids) - 1)
+
+
+def feeding_batch(monkeypatch, n, batching=True):
+    """An AdaptiveK with `n` requests of an adaptive draft-model config whose chain takes what its table
+    says (drafting pays); returns (ad, prop, requests, config)."""
+    clock = fake_time(monkeypatch)
+    cfg = SpeculativeConfig("draft_model", 4, model="m", num_speculative_tokens_schedule="adaptive")
+    prop = FeedingChain([7] * 4, 20.0, clock)
+    prop.feed_batching = batching
+    ad = AdaptiveK(FLAT, lambda c: prop)
+    rs = [req(f"r{i}", cfg) for i in range(n)]
+    for r in rs:
+        ad.add_request(r)
+    return ad, prop, rs, cfg
+
+
+def decide_all(ad, prop, rs):
+    """One decision for `rs`, every draft accepted; returns {request id: k}."""
+    props = ad.draft([(r, 4) for r in rs], via(prop), num_other_tokens=0, num_other_seqs=0)
+    ad.rest_steps = 0
+    for r, p in zip(rs, props):
+        commit(ad, r, [7] * (len(p.token_ids) + 1))
+    return {r.request_id: len(p.token_ids) for r, p in zip(rs, props)}
+
+
+def test_a_draft_model_gathers_prompt_feeds_into_one_forward(monkeypatch):
+    """On a launch-bound device a request the draft has not seen (or that missed steps) decodes plainly
+    until FEED_BATCH such requests are behind, or it waited FEED_WAIT decisions, so their prompts go
+    into one eager forward; requests the draft is in step with draft meanwhile. A batch that is all
+    behind (the start, one lone request) drafts at once."""
+    from specserve.engine.draft_length import FEED_BATCH, FEED_WAIT
+
+    ad, prop, rs, cfg = feeding_batch(monkeypatch, 6)
+    first = decide_all(ad, prop, rs)
+    assert all(first.values())  # all six behind (>= FEED_BATCH): fed together
+    late = req("late", cfg)
+    ad.add_request(late)
+    rs.append(late)
+    waited = [decide_all(ad, prop, rs)["late"] for _ in range(FEED_WAIT + 1)]
+    assert waited == [0] * FEED_WAIT + [waited[-1]] and waited[-1] > 0
+    assert all(k > 0 for rid, k in decide_all(ad, prop, rs).items())
+    # FEED_BATCH newcomers at once are fed in the next decision
+    new = [req(f"n{i}", cfg) for i in range(FEED_BATCH)]
+    for r in new:
+        ad.add_request(r)
+    got = decide_all(ad, prop, rs + new)
+    assert all(got[r.request_id] > 0 for r in new)
+    # a request that leaves while waiting leaves nothing behind
+    gone = req("gone", cfg)
+    ad.add_request(gone)
+    assert decide_all(ad, prop, rs + [gone])["gone"] == 0
+    ad.finish_request(gone)
+    assert "gone" not in ad._feed_wait
+
+
+def test_feeds_are_not_gathered_where_a_forward_costs_its_tokens(monkeypatch):
+    """Where the drafter's feeds are not launch-bound (a CPU: `feed_batching` False), and for a lone
+    request, a request behind drafts at once."""
+    ad, prop, rs, cfg = feeding_batch(monkeypatch, 3, batching=False)
+    decide_all(ad, prop, rs)
+    late = req("late", cfg)
+    ad.add_request(late)
+    assert decide_all(ad, prop, rs + [late])["late"] > 0
+    ad, prop, (lone,), _ = feeding_batch(monkeypatch, 1)
+    assert decide_all(ad, prop, [lone])["r0"] > 0
