@@ -45,6 +45,25 @@ logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD_CUDA = 50_000  # allocations between young collections on CUDA (Python's default: 700)
 
 
+
+def step_overhead_ms(cost: StepCostModel, plan: StepPlan, wall_ms: float, forward_ms: float, decide_ms: float,
+                     cuda: bool) -> float | None:
+    """A step's time outside the forward (ms) for the step-cost model's online overhead fit, or None
+    for a step that must not be fitted. `wall_ms`: the whole step; `forward_ms`: the time the forward
+    call took on the host; `decide_ms`: the adaptive decision's own time in it (amortised by its rest
+    steps, not a cost of the drafts). On a CPU the forward's time is measured (`forward_ms`). On CUDA
+    the launch returns at once and the GPU's time sits in the verify's device-to-host copy, so the
+    forward's time is the modelled one, which only the measured grid's shapes (decode and verify rows)
+    give: a step with a prefill chunk runs eagerly at a time the table does not model and is not fitted
+    (on the H200 at 16 concurrent requests its wall time less the model read several ms, which, folded
+    in, kept the fitted per-step overhead far above its decode-step value: the choice expected 16.3 ms
+    for drafting steps that took 12.5, docs/gpu-notes.md Session 17)."""
+    if not cuda:
+        return max(wall_ms - forward_ms - decide_ms, 0.0)
+    if plan.has_prefill:
+        return None
+    return max(wall_ms - cost.forward_ms(plan.num_tokens, len(plan.scheduled)) - decide_ms, 0.0)
+
 class _UseEngineDefault:
     """Type of `USE_ENGINE_DEFAULT`."""
 
@@ -393,12 +412,11 @@ class LLMEngine:
         if self.adaptive is not None:
             cm = self.adaptive.step_cost
             wall_ms = 1000 * (time.perf_counter() - t_step)
-            if self.device.type == "cuda":  # the launch returned at once: the GPU's time sits in verify's copy
-                over = wall_ms - cm.forward_ms(plan.num_tokens, len(plan.scheduled))
-            else:
-                over = wall_ms - 1000 * t_fwd
             # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
-            cm.observe_overhead(max(over - self.adaptive.take_decide_ms(), 0.0), plan.num_draft_tokens)
+            over = step_overhead_ms(cm, plan, wall_ms, 1000 * t_fwd, self.adaptive.take_decide_ms(),
+                                    self.device.type == "cuda")
+            if over is not None:
+                cm.observe_overhead(over, plan.num_draft_tokens)
         return outputs
 
     def _prepare_proposers(self, plan: StepPlan) -> None:

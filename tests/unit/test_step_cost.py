@@ -300,3 +300,22 @@ def test_a_cpu_table_is_converted_to_wall_ms(tiny_model_dir, monkeypatch):
     cm = measure_model(llm.engine.target, max_tokens=4, max_seqs=2, context=8, repeats=1, target_s=0.0)
     assert cm.meta["cpu_time_to_wall"] == pytest.approx(0.5)
     assert cm.token_ms == pytest.approx([0.5] * 4)  # 1 CPU-ms per forward read as 0.5 wall ms
+
+
+def test_step_overhead_is_fitted_only_where_the_forward_time_is_known():
+    """The overhead fit's sample: on a CPU the wall time less the measured forward and the decision; on
+    CUDA the wall time less the modelled forward and the decision, and none for a step with a prefill
+    chunk (it runs eagerly at a time the table does not model; folded in, it inflated the fitted
+    overhead at 16 concurrent requests on the H200)."""
+    from types import SimpleNamespace
+
+    from specserve.engine.llm_engine import step_overhead_ms
+
+    cm = StepCostModel([1, 2, 4], [1.0, 1.0, 1.0], [1, 4], [0.0, 0.5])
+    decode = SimpleNamespace(has_prefill=False, num_tokens=4, scheduled=[0] * 4)
+    prefill = SimpleNamespace(has_prefill=True, num_tokens=300, scheduled=[0] * 4)
+    assert step_overhead_ms(cm, decode, 10.0, 6.0, 1.0, cuda=False) == pytest.approx(3.0)
+    assert step_overhead_ms(cm, prefill, 30.0, 25.0, 1.0, cuda=False) == pytest.approx(4.0)
+    assert step_overhead_ms(cm, decode, 3.0, 0.1, 0.5, cuda=True) == pytest.approx(3.0 - cm.forward_ms(4, 4) - 0.5)
+    assert step_overhead_ms(cm, prefill, 30.0, 0.1, 0.5, cuda=True) is None
+    assert step_overhead_ms(cm, decode, 1.0, 0.1, 5.0, cuda=True) == 0.0
