@@ -15,7 +15,11 @@ list, the order rotated from run to run so that machine noise hits every profile
 requests of that segment alone (a homogeneous batch: the recommendation is for that workload at that
 concurrency), greedy, closed loop, each run after an untimed request per prompt with max_tokens 1
 (`client.prime_prompts`): every profile meets the prefix cache in the same state (the prompts cached),
-where the first profile to send a prompt would otherwise pay its prefill inside its TPOT. Each (repeat, concurrency) draws its own prompts (seeded), so a
+where the first profile to send a prompt would otherwise pay its prefill inside its TPOT. On one running
+server the profiles take turns (`interleave`, the default; `--no-interleave` runs each profile's requests
+back to back): the requests are cut into rounds of `concurrency` and every round is run by each profile
+in turn (`_run_interleaved`), so noise that drifts over minutes hits all of them alike; a profile's
+metrics are those of its rounds together. Each (repeat, concurrency) draws its own prompts (seeded), so a
 suffix tree never holds the answer of a prompt it is asked again; on one server each suffix profile also
 gets its own proposer (its `suffix_decoding_max_cached_requests` is lowered by a few, which only makes
 it a different proposer key), so one profile's outputs never feed another's tree. Metrics per run are
@@ -86,6 +90,7 @@ class SweepConfig:
     warmup: int = 1
     min_noise: float = 0.02
     prune_margin: float = 0.0  # 0: off (see the module docstring); > 0 with base_url only
+    interleave: bool = True  # one running server: the profiles take turns per round of `concurrency` requests
     timeout_s: float = 600.0
     progress: bool = True
 
@@ -170,6 +175,16 @@ def _err(r: httpx.Response) -> str:
         return r.text[:300]
 
 
+def _run_metrics(records: list, wall: float, prime_failed: int) -> dict:
+    """`metrics.summarize` of a run's records (wall: its seconds), with the failed primes and the first error."""
+    m = metrics.summarize(records, wall)
+    m["prime_failed"] = prime_failed
+    errors = [r.error for r in records if r.error]
+    if errors:
+        m["first_error"] = errors[0]
+    return m
+
+
 async def _run_one(cl, cfg: SweepConfig, base_url: str, model: str, samples: list, profile: str | None,
                    concurrency: int, bar) -> dict:
     murl = prom.metrics_url(base_url)
@@ -178,14 +193,32 @@ async def _run_one(cl, cfg: SweepConfig, base_url: str, model: str, samples: lis
     records, wall = await bclient.run_load(cl, base_url, samples, model, concurrency=concurrency, profile=profile,
                                            on_done=(lambda _r: bar.update(1)) if bar else None)
     after = await prom.scrape(cl, murl)
-    m = metrics.summarize(records, wall)
-    m["prime_failed"] = prime_failed
+    m = _run_metrics(records, wall, prime_failed)
     if "acceptance_source" not in m:  # not a specserve server: acceptance from /metrics deltas, if any
         m.update(prom.acceptance_from_delta(prom.delta(before, after), profile))
-    errors = [r.error for r in records if r.error]
-    if errors:
-        m["first_error"] = errors[0]
     return m
+
+
+async def _run_interleaved(cl, base_url: str, model: str, samples: list, profiles: list[str], concurrency: int,
+                           bar) -> dict[str, dict]:
+    """The runs of several profiles of one running specserve server over the same `samples`, taking
+    turns: the samples are cut into rounds of `concurrency` requests, and every round is run by each
+    profile in turn (the order rotated by one per round), each after priming that round's prompts.
+    A profile's metrics are those of its rounds together (records concatenated, walls added). Machine
+    noise that drifts over a sweep (on a shared 2-core host the same baseline run read a TPOT of 51 ms
+    in one sweep and 30 ms in the next) then hits every profile of a (segment, concurrency) alike, at
+    the scale of one round instead of one whole run per profile. Acceptance comes from the server's
+    per-request usage (a specserve server). Returns profile -> metrics."""
+    acc = {n: ([], 0.0, 0) for n in profiles}
+    rounds = [samples[j:j + concurrency] for j in range(0, len(samples), concurrency)]
+    for r, chunk in enumerate(rounds):
+        for n in rotated(profiles, r):
+            failed = await bclient.prime_prompts(cl, base_url, chunk, model, concurrency=concurrency, profile=n)
+            records, wall = await bclient.run_load(cl, base_url, chunk, model, concurrency=concurrency, profile=n,
+                                                   on_done=lambda _r: bar.update(1))
+            recs, w, pf = acc[n]
+            acc[n] = (recs + records, w + wall, pf + failed)
+    return {n: _run_metrics(*acc[n]) for n in profiles}
 
 
 async def sweep_server(cfg: SweepConfig, profiles: dict[str, dict | None], tag: str,
@@ -231,7 +264,13 @@ async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map:
                 for conc in cfg.concurrency:
                     samples = samples_for(cfg, seg, rep, conc)
                     group = kept.get((seg, conc), served_names)
-                    for n in rotated(group, i):
+                    if cfg.interleave and only is None:
+                        bar.set_description(f"#{rep} {seg} c={conc}")
+                        order = rotated(group, i)  # the first round's; each next round rotates it by one
+                        ms = await _run_interleaved(cl, base_url, model, samples, order, conc, bar)
+                        runs += [{"repeat": rep, "segment": seg, "concurrency": conc, "profile": name_map[n],
+                                  "metrics": ms[n]} for n in order]
+                    for n in rotated(group, i) if not (cfg.interleave and only is None) else ():
                         bar.set_description(f"#{rep} {seg} c={conc} {name_map[n]}")
                         m = await _run_one(cl, cfg, base_url, model, samples, None if only else n, conc, bar)
                         runs.append({"repeat": rep, "segment": seg, "concurrency": conc, "profile": name_map[n],

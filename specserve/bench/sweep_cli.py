@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "profiles whose speedup is more than this fraction below the best there (default 0: off, "
                         "every profile runs in every repeat; one noisy repeat can cut the profile a re-run would "
                         "recommend; not with --server-cmd)")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="with --base-url: run each profile's requests back to back instead of taking turns per "
+                        "round of --concurrency requests (the default, which spreads machine noise over all "
+                        "profiles alike)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-dir", help="where to write files (default sweep-results/<UTC time>)")
     p.add_argument("--no-html", action="store_true", help="skip the HTML report")
@@ -109,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         adaptive=not args.no_adaptive, method_options=args.method_options, concurrency=args.concurrency,
         segments=parse_dataset_arg(args.segments), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
         max_prompt_chars=args.max_prompt_chars, repeats=args.repeats, seed=args.seed, warmup=args.warmup,
-        min_noise=args.min_noise, prune_margin=args.prune_margin, timeout_s=args.timeout, progress=not args.no_progress)
+        min_noise=args.min_noise, prune_margin=args.prune_margin, timeout_s=args.timeout, progress=not args.no_progress,
+        interleave=not args.no_interleave)
     out = Path(args.output_dir or f"sweep-results/{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     try:

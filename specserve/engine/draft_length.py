@@ -63,10 +63,20 @@ timed into it: one 1000-token prompt on a CPU costs as much as a dozen steady ch
 would make a lone request stop drafting. One scale multiplies every position: host work per chain that
 does not grow with k is spread over the positions (a fit of a fixed part plus a scale, as the overhead
 fit does for the target, would separate them; not done). The rest of such a decision's time (estimates, the choice, bookkeeping) is its
-`draft_decide_ms`, as for a free proposer; the chain itself is not (it is priced by the scale). On the
-1.5b with the 0.5b drafting at 16 concurrent requests on the H200 (docs/gpu-notes.md, Session 16),
-neither was charged before: the schedule chose k = 5 in 89% of its decisions and lost 1.5% to the
-baseline (not measured since).
+`draft_decide_ms`, as for a free proposer; the chain itself is not (it is priced by the scale).
+Probes back off: a probe's first chain feeds everything its requests missed, so each probe not followed
+by drafting doubles the draft model's probe interval (up to DRAFT_PROBE_MAX_EVERY decisions); drafting
+on its own brings it back to DRAFT_PROBE_EVERY.
+Feeds are gathered (`_feeds_ready`): on a GPU a chain whose first forward feeds a prompt or a catch-up
+leaves the draft's CUDA graphs and runs eagerly, at about the same cost for one request as for several
+(launch-bound). On the H200 at 16 concurrent requests (the 1.5b target, the 0.5b drafting, 96 requests)
+such chains took a median 21.8 ms against 6.5 ms for a steady k = 5 chain, and with one per new request
+they were 1.27 s of a 4.2 s run (60 chains). So a request that is behind by more than STEADY_FEED tokens
+decodes plainly until FEED_BATCH requests are behind (or all of the draft's requests in the step, when
+fewer: a lone request is fed at once) or it waited FEED_WAIT decisions: 19 feeding chains (0.52 s) in the
+same run, and the adaptive draft model went from 0.97x to 1.01x of the baseline's throughput, paired per
+rep (docs/benchmarks/gpu_h200_c16_s17.json). On a CPU a forward's time follows its tokens, nothing is
+gathered (the drafter's `feed_batching` is False).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
@@ -138,6 +148,7 @@ PROPOSE_SAMPLES = 15  # proposer calls whose median time per request is the draf
 MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
 CHAIN_SAMPLES = 16  # chain_scale: the median realised/modelled ratio of this many recent steady chains
 DRAFT_PROBE_EVERY = 16  # a draft model whose requests all got k = 0 this many decisions in a row drafts a probe
+DRAFT_PROBE_MAX_EVERY = 256  # ... an interval that doubles after each probe not followed by drafting, up to this
 STEADY_FEED = 2  # a steady chain feeds each request at most this many tokens (see the module docstring)
 FEED_BATCH = 4  # a draft model feeds prompts and catch-ups to this many requests at once (see `_feeds_ready`)
 FEED_WAIT = 8  # ... or to those that waited this many decisions for the others
@@ -217,6 +228,7 @@ class AdaptiveK(ConfiguredK):
         # the decisions in a row in which every request of it got k = 0 (see `_probe`)
         self._chain_ratios: dict[Any, deque] = defaultdict(lambda: deque(maxlen=CHAIN_SAMPLES))
         self._chain_idle: dict[Any, int] = defaultdict(int)
+        self._probe_every: dict[Any, int] = defaultdict(lambda: DRAFT_PROBE_EVERY)  # see `_probe`
         self._probe_next: set = set()  # draft models whose next decision is priced at the table (see `_probe`)
         self._feed_wait: dict[str, int] = {}  # request id -> decisions it waited to be fed (see `_feeds_ready`)
 
@@ -461,11 +473,14 @@ class AdaptiveK(ConfiguredK):
             else:
                 other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
         drafters: dict[Any, Proposer] = {}  # costly proposer key -> its proposer (a draft model)
+        probe_second: set = set()  # draft models whose decision this is the second of a scale probe
         chain_cost: dict[Any, StepCostModel] = {}  # costly proposer key -> its draft model's StepCostModel
         for key, idx in costly.items():
             drafter = drafters[key] = self.proposer_of(asks[idx[0]][0].spec_config)
             cost = chain_cost[key] = drafter.draft_step_cost()
             # the decision after a scale probe is priced at the table too: its chain is steady and is timed
+            if key in self._probe_next:  # the second decision of a scale probe
+                probe_second.add(key)
             scale = 1.0 if key in self._probe_next else self.chain_scale(key)
             self._probe_next.discard(key)
             ready = self._feeds_ready(drafter, [asks[i][0] for i in idx])
@@ -486,7 +501,8 @@ class AdaptiveK(ConfiguredK):
 
         choice = choose(options)
         if chain_cost:
-            choice = self._probe(choice, options, [asks[i][0].request_id for i in chosen], chain_cost, choose)
+            choice = self._probe(choice, options, [asks[i][0].request_id for i in chosen], chain_cost, choose,
+                                 probe_second)
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -561,12 +577,13 @@ class AdaptiveK(ConfiguredK):
             self._chain_ratios[key].append(real_ms / model_ms)
 
     def _probe(self, choice: Choice, options: list[DraftOption], rids: list[str],
-               chain_cost: dict[Any, StepCostModel], choose: Callable[[list[DraftOption]], Choice]) -> Choice:
+               chain_cost: dict[Any, StepCostModel], choose: Callable[[list[DraftOption]], Choice],
+               probe_second: set = frozenset()) -> Choice:
         """Probes for draft models that drafted nothing lately. A draft model learns only from drafts it
         made (unlike a free proposer, whose drafts are recorded at full length even when cut to k = 0),
         so estimates or a chain scale that keep all its requests at k = 0 would never be measured again.
         Counts, per draft model, the decisions in a row that gave all of its requests k = 0 (whatever
-        the other requests got); every DRAFT_PROBE_EVERY-th such decision probes it:
+        the other requests got); when they reach its probe interval (DRAFT_PROBE_EVERY at first) it is probed:
         - if its chain scale is above 1.0 and the choice with its table's price alone (scale 1.0) would
           draft for it, that choice is made, and so is the next decision's (`_probe_next`): this chain
           feeds the tokens missed meanwhile (not steady, not timed), the next one is steady and measures
@@ -574,17 +591,27 @@ class AdaptiveK(ConfiguredK):
         - otherwise one of its requests (an explorer where one is in the batch) drafts one token, whose
           outcome updates the acceptance estimates (the request's and its profile's prior; an untested
           deeper position takes the one before it, so an accepted probe can lead to longer drafts).
-        `rids` are the options' request ids. Returns the choice to make; with one-token probes added, its value, step_ms and
-        expected_tokens are still those of the choice it started from."""
+        A probe's first chain feeds every token its requests missed (at 16 concurrent requests on a GPU,
+        one eager forward over ~1000 tokens), so a probe that only confirms k = 0 is not free: each one
+        doubles the draft model's probe interval, up to DRAFT_PROBE_MAX_EVERY; a decision that drafts for
+        it on its own (not a probe's) brings the interval back to DRAFT_PROBE_EVERY.
+        `rids` are the options' request ids; `probe_second` the draft models whose decision this is the
+        second of a scale probe (counted neither as idle nor as drafting on its own). Returns the choice
+        to make; with one-token probes added, its value, step_ms and expected_tokens are still those of
+        the choice it started from."""
         groups = {key: [p for p, o in enumerate(options) if o.draft_group == key] for key in chain_cost}
         due = []
         for key, mine in groups.items():
+            if key in probe_second:
+                continue
             if any(choice.ks[p] for p in mine):
                 self._chain_idle[key] = 0
+                self._probe_every[key] = DRAFT_PROBE_EVERY
                 continue
             self._chain_idle[key] += 1
-            if self._chain_idle[key] >= DRAFT_PROBE_EVERY:
+            if self._chain_idle[key] >= self._probe_every[key]:
                 self._chain_idle[key] = 0
+                self._probe_every[key] = min(2 * self._probe_every[key], DRAFT_PROBE_MAX_EVERY)
                 due.append(key)
         if not due:
             return choice

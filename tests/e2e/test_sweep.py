@@ -36,7 +36,8 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
         out = capsys.readouterr().out
         # a second sweep on the same server adds its own profiles (no clash with the first one's); it prunes
         # after the first repeat with a margin so wide that only the best and the baseline survive
-        assert main(argv[:-1] + [str(tmp_path / "again"), "--prune-margin", "0.001"]) == 0
+        # (and runs each profile's requests back to back: --no-interleave)
+        assert main(argv[:-1] + [str(tmp_path / "again"), "--prune-margin", "0.001", "--no-interleave"]) == 0
         capsys.readouterr()
         import httpx
 
@@ -55,7 +56,7 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
     assert all(r["profile"] in names and r["spread"][0] <= r["speedup"] <= r["spread"][1] for r in recs)
     result = json.loads((tmp_path / "sweep.json").read_text())
     assert len(result["runs"]) == 2 * 2 * 2 * len(names) and result["errors"] == 0
-    assert result["config"]["prune_margin"] == 0 and not result["pruned"]
+    assert result["config"]["prune_margin"] == 0 and not result["pruned"] and result["config"]["interleave"]
     assert {r["profile"] for r in result["rows"]} == names
     # every profile ran in every (repeat, segment, concurrency), in a rotated order
     orders = [tuple(r["profile"] for r in result["runs"][i:i + len(names)]) for i in range(0, len(result["runs"]), len(names))]
@@ -74,7 +75,7 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
     # the pruned re-run: the second repeat of each (segment, concurrency) ran only the profiles not pruned,
     # the pruned rows are marked, and no recommendation names one
     again = json.loads((tmp_path / "again" / "sweep.json").read_text())
-    assert again["config"]["prune_margin"] == 0.001 and again["pruned"]
+    assert again["config"]["prune_margin"] == 0.001 and again["pruned"] and not again["config"]["interleave"]
     cut = {(p["segment"], p["concurrency"], p["profile"]) for p in again["pruned"]}
     second = {(r["segment"], r["concurrency"], r["profile"]) for r in again["runs"] if r["repeat"] == 1}
     assert not cut & second and len(second) + len(cut) == 2 * 2 * len(names)

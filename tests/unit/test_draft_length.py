@@ -619,12 +619,14 @@ def test_a_draft_chain_slower_than_its_table_is_priced_at_its_realised_time(monk
     from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
     ad, prop, r = one_draft_request(monkeypatch, 120.0)
-    ks = decide(ad, prop, r, 2 * E + 4)
-    # the first chain feeds the prompt (not timed), the second sets the scale; then every E-th decision
-    # without drafts probes with two decisions at the table's price (the second's chain is steady)
-    assert [i for i, k in enumerate(ks) if k] == [0, 1, 1 + E, 2 + E, 2 + 2 * E, 3 + 2 * E]
+    ks = decide(ad, prop, r, 7 * E + 5)
+    # the first chain feeds the prompt (not timed), the second sets the scale; then after E decisions
+    # without drafts a probe drafts two decisions at the table's price (the second's chain is steady);
+    # each probe that is not followed by drafting doubles the interval (E, 2E, 4E)
+    assert [i for i, k in enumerate(ks) if k] == [0, 1, 1 + E, 2 + E, 2 + 3 * E, 3 + 3 * E, 3 + 7 * E, 4 + 7 * E]
     assert ks[1 + E] > 1 and ks[2 + E] > 1  # the unscaled choice, not a one-token probe
     assert ad.chain_scale(proposer_key(r.spec_config)) == pytest.approx(6.0)
+    assert ad._probe_every[proposer_key(r.spec_config)] == 8 * E  # three probes that confirmed k = 0
     assert ad.draft_decide_ms == 0.0 and ad.decide_ms_per_request == 0.0
 
 
@@ -636,9 +638,10 @@ def test_a_draft_chain_as_fast_as_its_table_keeps_drafting(monkeypatch):
 
 
 def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(monkeypatch):
-    """Two chains slowed 10x by something else (a pause) make the scale 10 and stop drafting; every
-    DRAFT_PROBE_EVERY-th decision in a row without drafts drafts as the table says, the probes take the
-    table's time, and once they are the median the schedule drafts every step again."""
+    """Two chains slowed 10x by something else (a pause) make the scale 10 and stop drafting; probes
+    (after DRAFT_PROBE_EVERY decisions in a row without drafts, then twice as many after each probe not
+    followed by drafting) draft as the table says, take the table's time, and once they are the median
+    the schedule drafts every step again."""
     from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
     ad, prop, r = one_draft_request(monkeypatch, 20.0)
@@ -646,12 +649,15 @@ def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(mo
     key = proposer_key(r.spec_config)
     ad._chain_ratios[key].clear()
     ad._chain_ratios[key].extend([10.0, 10.0])  # two chains that a pause slowed 10x
-    drafted = [i for i, k in enumerate(decide(ad, prop, r, 6 * E)) if k]
+    drafted = [i for i, k in enumerate(decide(ad, prop, r, 9 * E)) if k]
     # a probe at the E-th decision in a row without drafts is two decisions at the table's price: the
     # first feeds the tokens missed meanwhile (not timed), the second is timed: medians 10 (10, 10, 1),
-    # 5.5, then 1.0, and the schedule drafts every step again
-    assert drafted[:4] == [E - 1, E, 2 * E, 2 * E + 1]
-    assert drafted[4:] == list(range(3 * E + 1, 6 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
+    # 5.5, then 1.0, and the schedule drafts every step again; each probe after which it did not draft
+    # on its own doubled the interval (E, 2E, 4E)
+    assert drafted[:6] == [E - 1, E, 3 * E, 3 * E + 1, 7 * E + 1, 7 * E + 2]
+    assert drafted[6:] == list(range(7 * E + 3, 9 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
+    # drafting on its own brought the interval back to E
+    assert ad._probe_every[key] == E
 
 
 def test_a_draft_model_kept_at_k0_by_its_prior_probes_and_learns(monkeypatch):

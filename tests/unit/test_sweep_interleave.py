@@ -1,0 +1,48 @@
+"""The sweep's interleaved runs on one server (`sweep._run_interleaved`) without a server: the requests
+are cut into rounds of `concurrency`, every round is primed and run by each profile in turn (the order
+rotated by one per round), and a profile's metrics are those of its rounds together."""
+
+import asyncio
+from types import SimpleNamespace
+
+from specserve.bench import sweep
+
+
+class Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+    def set_description(self, _):
+        pass
+
+
+def test_profiles_take_turns_per_round_and_their_rounds_are_summed(monkeypatch):
+    calls = []
+
+    async def prime(cl, base_url, samples, model, *, concurrency, profile):
+        calls.append(("prime", profile, tuple(samples)))
+        return 1 if profile == "b" else 0
+
+    async def run_load(cl, base_url, samples, model, *, concurrency, profile, on_done=None):
+        calls.append(("run", profile, tuple(samples)))
+        for s in samples:
+            on_done(s)
+        return [SimpleNamespace(id=f"{profile}:{s}", error=None) for s in samples], 0.5 * len(samples)
+
+    monkeypatch.setattr(sweep.bclient, "prime_prompts", prime)
+    monkeypatch.setattr(sweep.bclient, "run_load", run_load)
+    monkeypatch.setattr(sweep.metrics, "summarize", lambda records, wall: {"records": [r.id for r in records], "wall": wall})
+    bar = Bar()
+    out = asyncio.run(sweep._run_interleaved(None, "u", "m", [1, 2, 3, 4, 5], ["base", "a", "b"], 2, bar))
+    runs = [(p, s) for kind, p, s in calls if kind == "run"]
+    assert runs == [("base", (1, 2)), ("a", (1, 2)), ("b", (1, 2)),
+                    ("a", (3, 4)), ("b", (3, 4)), ("base", (3, 4)),
+                    ("b", (5,)), ("base", (5,)), ("a", (5,))]
+    # each run right after the priming of the same requests by the same profile
+    assert all(calls[2 * i] == ("prime",) + run for i, run in enumerate(runs))
+    assert out["a"]["records"] == ["a:1", "a:2", "a:3", "a:4", "a:5"] and out["a"]["wall"] == 2.5
+    assert out["b"]["prime_failed"] == 3 and out["base"]["prime_failed"] == 0
+    assert bar.n == 15
