@@ -48,6 +48,8 @@ def chain_logger(prop, propose, log: StepLog):
     """Wrap a draft model's propose: per step, the chains' wall ms, the most tokens one request fed and
     the tokens fed in all (a prompt or catch-up makes the first forward leave the CUDA graphs)."""
     def wrapper(inputs):
+        # inside the span AdaptiveK times as the chain: this read-only tail compare adds a little to the
+        # chain scale of a diagnosis run
         feeds = [prop.pending_feed(i.request_id, i.token_ids) for i in inputs if i.num_speculative_tokens > 0]
         t0 = time.perf_counter()
         out = propose(inputs)

@@ -16,6 +16,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH=/root/site:$REPO SPECSERVE_HOME=${SPECSERVE_HOME:-/root/ss}
 cd /root/models
 rm -f "$NAME.done" "$NAME.failed"
+[ -n "$SKIP" ] && [ -z "$SIZE" ] && { echo "SKIP needs SIZE (the model's bytes in the stream)"; touch "$NAME.failed"; exit 1; }
 trap 'touch "/root/models/$NAME.failed"' ERR
 if [ -n "$SIZE" ]; then
   # head stops reading early, which SIGPIPEs tail and cat: the size check below is the test, not pipefail

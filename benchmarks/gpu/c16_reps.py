@@ -5,7 +5,9 @@ Python garbage collector paused the engine, with and without `gc.freeze()` after
         --model qwen2.5-coder-0.5b-instruct --model qwen2.5-coder-1.5b-instruct:qwen2.5-coder-0.5b-instruct
 
 A profile given as NAME@fbN runs NAME with the adaptive schedule's FEED_BATCH set to N (N = 1: every
-prompt or catch-up fed to a draft model at once, as before the feed batching), for a paired A/B.
+prompt or catch-up fed to a draft model at once, as before the feed batching), for a paired A/B. Both
+arms share one SpeculativeConfig, so their acceptance prior, their `chosen_k` counts (cumulative in the
+results) and the engine's adaptive state are shared; the rotated order gives each arm the same neighbours.
 Per model: every profile once to warm up, then `--reps` runs per mode in a rotating order; each suffix
 run gets a fresh proposer (an empty global tree: no replay of an earlier run's outputs of the same
 prompts). Mode "default" leaves the collector as it is; mode "gc_freeze" calls gc.collect(); gc.freeze()

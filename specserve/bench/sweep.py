@@ -16,10 +16,14 @@ requests of that segment alone (a homogeneous batch: the recommendation is for t
 concurrency), greedy, closed loop, each run after an untimed request per prompt with max_tokens 1
 (`client.prime_prompts`): every profile meets the prefix cache in the same state (the prompts cached),
 where the first profile to send a prompt would otherwise pay its prefill inside its TPOT. On one running
-server the profiles take turns (`interleave`, the default; `--no-interleave` runs each profile's requests
-back to back): the requests are cut into rounds of `concurrency` and every round is run by each profile
-in turn (`_run_interleaved`), so noise that drifts over minutes hits all of them alike; a profile's
-metrics are those of its rounds together. Each (repeat, concurrency) draws its own prompts (seeded), so a
+server at concurrency 1 the profiles take turns request by request (`interleave`, the default;
+`--no-interleave` runs each profile's requests back to back): every request is run by each profile in
+turn (`_run_interleaved`, the order rotated per request), so noise that drifts over minutes hits all of
+them alike; a profile's metrics are those of its requests together. At a higher concurrency a round of
+c requests would start together and drain to one, a burst rather than the closed loop the
+recommendation is for, so those runs stay back to back (with the default 4 prompts at c = 4 a run is one
+such round anyway). The engine-wide state of the adaptive schedule (its step-cost fit, its decision
+times) then passes from profile to profile once per request instead of once per run. Each (repeat, concurrency) draws its own prompts (seeded), so a
 suffix tree never holds the answer of a prompt it is asked again; on one server each suffix profile also
 gets its own proposer (its `suffix_decoding_max_cached_requests` is lowered by a few, which only makes
 it a different proposer key), so one profile's outputs never feed another's tree. Metrics per run are
@@ -90,7 +94,7 @@ class SweepConfig:
     warmup: int = 1
     min_noise: float = 0.02
     prune_margin: float = 0.0  # 0: off (see the module docstring); > 0 with base_url only
-    interleave: bool = True  # one running server: the profiles take turns per round of `concurrency` requests
+    interleave: bool = True  # one running server, concurrency 1: the profiles take turns request by request
     timeout_s: float = 600.0
     progress: bool = True
 
@@ -203,7 +207,9 @@ async def _run_interleaved(cl, base_url: str, model: str, samples: list, profile
                            bar) -> dict[str, dict]:
     """The runs of several profiles of one running specserve server over the same `samples`, taking
     turns: the samples are cut into rounds of `concurrency` requests, and every round is run by each
-    profile in turn (the order rotated by one per round), each after priming that round's prompts.
+    profile in turn (the order rotated by one per round), each after priming that round's prompts. The
+    sweep uses it at concurrency 1 only (see the module docstring: a round of c > 1 requests is a burst
+    that drains, not a closed loop).
     A profile's metrics are those of its rounds together (records concatenated, walls added). Machine
     noise that drifts over a sweep (on a shared 2-core host the same baseline run read a TPOT of 51 ms
     in one sweep and 30 ms in the next) then hits every profile of a (segment, concurrency) alike, at
@@ -264,13 +270,14 @@ async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map:
                 for conc in cfg.concurrency:
                     samples = samples_for(cfg, seg, rep, conc)
                     group = kept.get((seg, conc), served_names)
-                    if cfg.interleave and only is None:
+                    turns = cfg.interleave and only is None and conc == 1
+                    if turns:
                         bar.set_description(f"#{rep} {seg} c={conc}")
                         order = rotated(group, i)  # the first round's; each next round rotates it by one
                         ms = await _run_interleaved(cl, base_url, model, samples, order, conc, bar)
                         runs += [{"repeat": rep, "segment": seg, "concurrency": conc, "profile": name_map[n],
                                   "metrics": ms[n]} for n in order]
-                    for n in rotated(group, i) if not (cfg.interleave and only is None) else ():
+                    for n in rotated(group, i) if not turns else ():
                         bar.set_description(f"#{rep} {seg} c={conc} {name_map[n]}")
                         m = await _run_one(cl, cfg, base_url, model, samples, None if only else n, conc, bar)
                         runs.append({"repeat": rep, "segment": seg, "concurrency": conc, "profile": name_map[n],
@@ -366,6 +373,7 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
     recs = recommend(rows, profiles, cfg.min_noise)
     cfg_d = asdict(cfg)
     cfg_d.pop("admin_token", None)
+    cfg_d["interleave"] = cfg.interleave and not cfg.server_cmd  # external servers run one profile at a time
     return {"schema": SCHEMA, "started": started, "config": cfg_d, "profiles": profiles, "runs": runs, "rows": rows,
             "recommendations": recs, "recommended_profiles": recommended_profiles(recs, profiles),
             "pruned": [{"segment": seg, "concurrency": conc, "profile": p, "first_repeat_speedup": sp}

@@ -87,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every profile runs in every repeat; one noisy repeat can cut the profile a re-run would "
                         "recommend; not with --server-cmd)")
     p.add_argument("--no-interleave", action="store_true",
-                   help="with --base-url: run each profile's requests back to back instead of taking turns per "
-                        "round of --concurrency requests (the default, which spreads machine noise over all "
+                   help="with --base-url: at concurrency 1 run each profile's requests back to back instead of "
+                        "taking turns request by request (the default, which spreads machine noise over all "
                         "profiles alike)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--output-dir", help="where to write files (default sweep-results/<UTC time>)")

@@ -70,6 +70,12 @@ class CudaGraphRunner:
         if cuda_graphs:
             self._capture_all()
 
+    @property
+    def graph_max_qlen(self) -> int | None:
+        """The most new tokens one sequence may have in a step that replays a graph (longer: eager);
+        None when no graphs were captured."""
+        return self.buckets.max_qlen if self._graphs else None
+
     def _static_step(self, b: Bucket) -> StepTensors:
         f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
         return StepTensors(f("input_ids", b.num_tokens), f("positions", b.num_tokens), f("token_slots", b.num_tokens),

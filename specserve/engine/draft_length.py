@@ -54,8 +54,8 @@ tokens, as the proposer's `last_max_feed` says) is timed (wall clock: the chain 
 device-to-host copy), and the modelled price is multiplied by `chain_scale`, the median realised over
 modelled ms of the last CHAIN_SAMPLES steady chains (a median: one chain slowed by a pause does not move
 it). A draft model learns only from drafts it made, so estimates or a scale that keep all its requests at k
-= 0 would never be measured again: every DRAFT_PROBE_EVERY-th decision in a row that gives all its
-requests k = 0 probes it (`_probe`): where the scale is what stops drafting, two decisions priced at the
+= 0 would never be measured again: after DRAFT_PROBE_EVERY decisions in a row that give all its
+requests k = 0 it is probed (`_probe`; the interval backs off, below): where the scale is what stops drafting, two decisions priced at the
 table (the second's chain is steady and is timed), else one token for one request. On the CPU of session 16 (the 1.5b target, the 0.5b drafting, batch 1) a 2-token verify cost
 1.2-1.5x a decode (docs/benchmarks/step_cost_cpu_s16.json), so from the 0.5 prior no k paid and the adaptive draft model drafted nothing (1.06x on
 code against 1.99x for static k 5) until these probes let it learn. A chain that feeds a prompt or a catch-up is not
@@ -66,17 +66,19 @@ fit does for the target, would separate them; not done). The rest of such a deci
 `draft_decide_ms`, as for a free proposer; the chain itself is not (it is priced by the scale).
 Probes back off: a probe's first chain feeds everything its requests missed, so each probe not followed
 by drafting doubles the draft model's probe interval (up to DRAFT_PROBE_MAX_EVERY decisions); drafting
-on its own brings it back to DRAFT_PROBE_EVERY.
-Feeds are gathered (`_feeds_ready`): on a GPU a chain whose first forward feeds a prompt or a catch-up
-leaves the draft's CUDA graphs and runs eagerly, at about the same cost for one request as for several
-(launch-bound). On the H200 at 16 concurrent requests (the 1.5b target, the 0.5b drafting, 96 requests)
+on its own brings it back to DRAFT_PROBE_EVERY, and so does a scale probe whose timed chain came out
+below PROBE_CHEAPER of the scale it was priced against (a scale raised by a pause then recovers as fast as before).
+Feeds are gathered (`_gather_feeds`): on a GPU a chain whose first forward feeds a prompt or a long
+catch-up leaves the draft's CUDA graphs and runs eagerly, at a cost that grows far less than its tokens
+(launch-bound: a median 27.5 ms for 940 tokens against 21.8 ms for 320 in the runs below). On the H200 at 16 concurrent requests (the 1.5b target, the 0.5b drafting, 96 requests)
 such chains took a median 21.8 ms against 6.5 ms for a steady k = 5 chain, and with one per new request
-they were 1.27 s of a 4.2 s run (60 chains). So a request that is behind by more than STEADY_FEED tokens
-decodes plainly until FEED_BATCH requests are behind (or all of the draft's requests in the step, when
-fewer: a lone request is fed at once) or it waited FEED_WAIT decisions: 19 feeding chains (0.52 s) in the
-same run, and the adaptive draft model went from 0.97x to 1.01x of the baseline's throughput, paired per
-rep (docs/benchmarks/gpu_h200_c16_s17.json). On a CPU a forward's time follows its tokens, nothing is
-gathered (the drafter's `feed_batching` is False).
+they were 1.27 s of a 4.2 s run (60 chains). So a request the draft is behind on
+decodes plainly until FEED_BATCH requests are behind or it waited FEED_WAIT decisions (`_gather_feeds`;
+"behind": more than the draft's graphs take per sequence, `graph_max_feed`, 16 tokens). In a second
+diagnosis run that gave 19 feeding chains (0.52 s), and in the paired c16 reps the adaptive draft model
+went from 0.97x to 1.01x of the baseline's throughput (docs/benchmarks/gpu_h200_c16_s17.json; that
+version held back requests more than 2 tokens behind). On a CPU there are no graphs and a forward's
+time follows its tokens: nothing is gathered (`graph_max_feed` is None).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
@@ -149,8 +151,9 @@ MIN_PROPOSE_SAMPLES = 3  # calls measured before drafting can count as costly
 CHAIN_SAMPLES = 16  # chain_scale: the median realised/modelled ratio of this many recent steady chains
 DRAFT_PROBE_EVERY = 16  # a draft model whose requests all got k = 0 this many decisions in a row drafts a probe
 DRAFT_PROBE_MAX_EVERY = 256  # ... an interval that doubles after each probe not followed by drafting, up to this
+PROBE_CHEAPER = 0.9  # ... unless the scale probe's chain came out below this fraction of the scale it was priced at
 STEADY_FEED = 2  # a steady chain feeds each request at most this many tokens (see the module docstring)
-FEED_BATCH = 4  # a draft model feeds prompts and catch-ups to this many requests at once (see `_feeds_ready`)
+FEED_BATCH = 4  # a draft model feeds prompts and catch-ups to this many requests at once (see `_gather_feeds`)
 FEED_WAIT = 8  # ... or to those that waited this many decisions for the others
 
 
@@ -230,7 +233,8 @@ class AdaptiveK(ConfiguredK):
         self._chain_idle: dict[Any, int] = defaultdict(int)
         self._probe_every: dict[Any, int] = defaultdict(lambda: DRAFT_PROBE_EVERY)  # see `_probe`
         self._probe_next: set = set()  # draft models whose next decision is priced at the table (see `_probe`)
-        self._feed_wait: dict[str, int] = {}  # request id -> decisions it waited to be fed (see `_feeds_ready`)
+        self._probe_scale: dict[Any, float] = {}  # draft model -> the scale its current scale probe started from
+        self._feed_wait: dict[str, int] = {}  # request id -> decisions it waited to be fed (see `_gather_feeds`)
 
     def add_request(self, req: Request) -> None:
         """Track a request of an adaptive config (every EXPLORE_EVERY-th of its config, the first
@@ -483,12 +487,8 @@ class AdaptiveK(ConfiguredK):
                 probe_second.add(key)
             scale = 1.0 if key in self._probe_next else self.chain_scale(key)
             self._probe_next.discard(key)
-            ready = self._feeds_ready(drafter, [asks[i][0] for i in idx])
             for i in idx:
                 r, cap = asks[i]
-                if r.request_id not in ready:  # a plain decode in this step, waiting to be fed with others
-                    other_tokens, other_seqs = other_tokens + 1, other_seqs + 1
-                    continue
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=draft_forward_ms(cost, scale)))
@@ -501,8 +501,10 @@ class AdaptiveK(ConfiguredK):
 
         choice = choose(options)
         if chain_cost:
-            choice = self._probe(choice, options, [asks[i][0].request_id for i in chosen], chain_cost, choose,
-                                 probe_second)
+            rids = [asks[i][0].request_id for i in chosen]
+            tokens = [asks[i][0].all_token_ids for i in chosen]
+            choice, options = self._gather_feeds(choice, options, rids, tokens, drafters, choose, probe_second)
+            choice = self._probe(choice, options, rids, chain_cost, choose, probe_second)
         self.last_choice = choice
         ks = dict(zip(chosen, choice.ks))
         out: list[Proposal] = []
@@ -527,7 +529,11 @@ class AdaptiveK(ConfiguredK):
             chain_ms_step += real_ms
             feed = getattr(drafters[key], "last_max_feed", None)
             if feed is None or feed <= STEADY_FEED:  # a steady chain: no prompt, no catch-up
-                self._observe_chain(key, real_ms, chain_ms(chain_cost[key], [ks[i] for i in todo]))
+                model_ms = chain_ms(chain_cost[key], [ks[i] for i in todo])
+                self._observe_chain(key, real_ms, model_ms)
+                before = self._probe_scale.pop(key, None) if key in probe_second else None
+                if before is not None and model_ms > 0 and real_ms / model_ms < PROBE_CHEAPER * before:
+                    self._probe_every[key] = DRAFT_PROBE_EVERY  # the probe found the chain cheaper: probe again soon
             drafted += len(todo)
             for i, p in zip(todo, props):
                 r = asks[i][0]
@@ -537,29 +543,46 @@ class AdaptiveK(ConfiguredK):
                 self.tracker.add_draft(r.request_id, len(r.all_token_ids), drafts)
         return out, len(full.keys() - skip) + drafted, chain_ms_step
 
-    def _feeds_ready(self, drafter: Any, reqs: Sequence[Request]) -> set[str]:
-        """The ids of `reqs` (one draft model's asks) that may draft in this decision. A request whose
-        draft is behind by more than STEADY_FEED tokens (a prompt the draft has not seen, or a catch-up
-        after k = 0 steps: the drafter's `pending_feed`) makes the chain's first forward leave the draft's
-        CUDA graphs, and an eager forward costs about the same for one prompt as for several (it is
-        launch-bound on a GPU). So such requests wait, decoding plainly, until FEED_BATCH of them (or all
-        of the draft's requests in the step, when fewer) are behind, or one of them has waited FEED_WAIT
-        decisions; then all of them may draft together. Requests that are not behind may always draft.
-        Only where the drafter says its feeds are launch-bound (`feed_batching`: on a GPU; on a CPU a
-        forward's time follows its tokens and waiting would save nothing); a drafter without
-        `pending_feed` lets every request draft."""
-        pending = getattr(drafter, "pending_feed", None)
-        ids = {r.request_id for r in reqs}
-        if pending is None or not getattr(drafter, "feed_batching", False):
-            return ids
-        behind = [r.request_id for r in reqs if pending(r.request_id, r.all_token_ids) > STEADY_FEED]
-        if not behind:
-            return ids
-        if len(behind) >= min(FEED_BATCH, len(reqs)) or max(self._feed_wait.get(rid, 0) for rid in behind) >= FEED_WAIT:
-            return ids
-        for rid in behind:
-            self._feed_wait[rid] = self._feed_wait.get(rid, 0) + 1
-        return ids.difference(behind)
+    def _gather_feeds(self, choice: Choice, options: list[DraftOption], rids: list[str], tokens: list,
+                      drafters: dict[Any, Proposer], choose: Callable[[list[DraftOption]], Choice],
+                      probe_second: set) -> tuple[Choice, list[DraftOption]]:
+        """Hold back draft-model requests whose feed would make the chain leave the draft's CUDA graphs,
+        until several of them can share one eager forward. A request the draft is behind on by more than
+        the drafter's `graph_max_feed` tokens (a prompt it has not seen, or a long catch-up after k = 0
+        steps: its `pending_feed`) makes the chain's first forward run eagerly, and an eager forward is
+        launch-bound on a GPU: about as dear for several prompts as for one. So where the choice gives
+        k > 0 both to such requests and to requests the draft is in step with (whose chain would replay
+        graphs), the ones behind get k = 0 (a plain decode) until FEED_BATCH of them want to draft, or
+        one of them has waited FEED_WAIT decisions; then all of them draft together. Where only requests
+        behind want to draft (a lone request, a batch that just started), the chain is eager anyway and
+        nobody waits. In the second decision of a scale probe the ones behind always wait, so that its
+        chain is steady and measures the scale. The counts are per request (`_feed_wait`); a request
+        the choice gives k = 0 is not waiting. `rids`, `tokens`: the options' request ids and tokens.
+        Returns the choice (made again without the held requests' drafts, which count as plain decodes)
+        and the options it was made from. Drafters without `pending_feed` or graphs are left alone."""
+        held: set[int] = set()
+        for key, drafter in drafters.items():
+            pending, limit = getattr(drafter, "pending_feed", None), getattr(drafter, "graph_max_feed", None)
+            if pending is None or limit is None:
+                continue
+            mine = [p for p, o in enumerate(options) if o.draft_group == key]
+            drafting = [p for p in mine if choice.ks[p]]
+            for p in mine:
+                if not choice.ks[p]:
+                    self._feed_wait.pop(rids[p], None)
+            behind = [p for p in drafting if pending(rids[p], tokens[p]) > limit]
+            if not behind or len(behind) == len(drafting):
+                continue
+            if key not in probe_second and (len(behind) >= FEED_BATCH
+                                            or max(self._feed_wait.get(rids[p], 0) for p in behind) >= FEED_WAIT):
+                continue
+            for p in behind:
+                self._feed_wait[rids[p]] = self._feed_wait.get(rids[p], 0) + 1
+            held.update(behind)
+        if not held:
+            return choice, options
+        options = [replace(o, acceptance=()) if p in held else o for p, o in enumerate(options)]
+        return choose(options), options
 
     def chain_scale(self, key: Any) -> float:
         """How much longer proposer `key`'s draft chains take than its table says: the median of the
@@ -594,7 +617,8 @@ class AdaptiveK(ConfiguredK):
         A probe's first chain feeds every token its requests missed (at 16 concurrent requests on a GPU,
         one eager forward over ~1000 tokens), so a probe that only confirms k = 0 is not free: each one
         doubles the draft model's probe interval, up to DRAFT_PROBE_MAX_EVERY; a decision that drafts for
-        it on its own (not a probe's) brings the interval back to DRAFT_PROBE_EVERY.
+        it on its own (not a probe's) brings the interval back to DRAFT_PROBE_EVERY, and so does a scale
+        probe whose timed chain came out below PROBE_CHEAPER of the scale it started from (`_adaptive`).
         `rids` are the options' request ids; `probe_second` the draft models whose decision this is the
         second of a scale probe (counted neither as idle nor as drafting on its own). Returns the choice
         to make; with one-token probes added, its value, step_ms and expected_tokens are still those of
@@ -624,6 +648,8 @@ class AdaptiveK(ConfiguredK):
             if drafted:
                 choice = again
                 self._probe_next.update(drafted)
+                for key in drafted:  # what the probe's timed chain is compared with
+                    self._probe_scale[key] = self.chain_scale(key)
         ks = list(choice.ks)
         for key in due:
             mine = groups[key]

@@ -45,24 +45,26 @@ logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD_CUDA = 50_000  # allocations between young collections on CUDA (Python's default: 700)
 
 
-
 def step_overhead_ms(cost: StepCostModel, plan: StepPlan, wall_ms: float, forward_ms: float, decide_ms: float,
-                     cuda: bool) -> float | None:
+                     cuda: bool, eager: bool = False) -> float | None:
     """A step's time outside the forward (ms) for the step-cost model's online overhead fit, or None
     for a step that must not be fitted. `wall_ms`: the whole step; `forward_ms`: the time the forward
     call took on the host; `decide_ms`: the adaptive decision's own time in it (amortised by its rest
-    steps, not a cost of the drafts). On a CPU the forward's time is measured (`forward_ms`). On CUDA
-    the launch returns at once and the GPU's time sits in the verify's device-to-host copy, so the
-    forward's time is the modelled one, which only the measured grid's shapes (decode and verify rows)
-    give: a step with a prefill chunk runs eagerly at a time the table does not model and is not fitted
-    (on the H200 at 16 concurrent requests its wall time less the model read several ms, which, folded
-    in, kept the fitted per-step overhead far above its decode-step value: the choice expected 16.3 ms
-    for drafting steps that took 12.5, docs/gpu-notes.md Session 17)."""
+    steps, not a cost of the drafts); `eager`: the forward left the CUDA graphs the runner captured. On a
+    CPU the forward's time is measured (`forward_ms`). On CUDA the launch returns at once and the GPU's
+    time sits in the verify's device-to-host copy, so the forward's time is the modelled one, which the
+    table gives for the shapes its grid measured (graph replays: decode and verify rows); a step that
+    ran eagerly (a prefill chunk longer than a graph takes) is not fitted: its wall time less the
+    modelled forward is not host overhead. At 16 concurrent requests on the H200, where a new prompt
+    arrives every few steps, the choice expected 16.6 ms for drafting steps that took 12.1, which such
+    steps folded into the fitted per-step overhead would explain (the fit was not logged per decision;
+    docs/gpu-notes.md, Session 17)."""
     if not cuda:
         return max(wall_ms - forward_ms - decide_ms, 0.0)
-    if plan.has_prefill:
+    if eager:
         return None
     return max(wall_ms - cost.forward_ms(plan.num_tokens, len(plan.scheduled)) - decide_ms, 0.0)
+
 
 class _UseEngineDefault:
     """Type of `USE_ENGINE_DEFAULT`."""
@@ -391,8 +393,12 @@ class LLMEngine:
                 s.request.first_scheduled_time = now
         try:
             t_fwd = time.perf_counter()
+            eager_before = getattr(self.target.runner, "num_eager_steps", 0)
             logits = self.target.runner.execute(plan.model_input(self.device))
             t_fwd = time.perf_counter() - t_fwd
+            # the forward left the CUDA graphs: a shape the step-cost table does not model (`step_overhead_ms`)
+            unmodelled = (getattr(self.target.runner, "graph_max_qlen", None) is not None
+                          and getattr(self.target.runner, "num_eager_steps", 0) != eager_before)
             result = None
             overlap = self.overlap_host_work
             if plan.sampled:
@@ -414,7 +420,7 @@ class LLMEngine:
             wall_ms = 1000 * (time.perf_counter() - t_step)
             # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
             over = step_overhead_ms(cm, plan, wall_ms, 1000 * t_fwd, self.adaptive.take_decide_ms(),
-                                    self.device.type == "cuda")
+                                    self.device.type == "cuda", unmodelled)
             if over is not None:
                 cm.observe_overhead(over, plan.num_draft_tokens)
         return outputs

@@ -79,9 +79,10 @@ class DraftModelProposer:
         # that drafted in the step before: the draft keeps its own drafts; its prompt for a new one): the
         # adaptive schedule times only chains without a prompt or catch-up (`AdaptiveK.chain_scale`)
         self.last_max_feed = 0
-        # on a GPU a forward that leaves the CUDA graphs (a prompt or a catch-up fed) is launch-bound: it costs
-        # about as much for one request as for several, so the adaptive schedule gathers them (`pending_feed`)
-        self.feed_batching = torch.device(context.device).type == "cuda"
+        # the most tokens one request may feed for the chain's first forward to replay a CUDA graph (None: no
+        # graphs, e.g. on a CPU). Beyond it the forward runs eagerly, which on a GPU is launch-bound: about as
+        # dear for one request's prompt as for several, so the adaptive schedule gathers such feeds
+        self.graph_max_feed = getattr(self.draft.runner, "graph_max_qlen", None)
 
     def draft_step_cost(self):
         """The measured time of one draft forward (`StepCostModel`, cached per model and device; measured
@@ -115,7 +116,7 @@ class DraftModelProposer:
         """Tokens the next `propose` for this request would feed in its first forward (read-only): its
         whole prompt and output for a request the draft has not seen (less a prefix-cache hit), what it
         missed for one that was given k = 0 meanwhile, 1 or 2 in the steady state. The adaptive schedule
-        gathers the large ones into one forward (`AdaptiveK`, FEED_BATCH)."""
+        gathers those above `graph_max_feed` into one forward (`AdaptiveK._gather_feeds`)."""
         seq = self.seqs.get(request_id)
         if seq is not None:
             return len(token_ids) - self._kept(seq, token_ids)

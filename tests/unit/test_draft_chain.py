@@ -49,7 +49,6 @@ def test_greedy_chain_equals_step_by_step(tiny_model_dir, tmp_path, device):
         assert chain.draft.kv.lengths[chain.seqs[r].slot] == steps.draft.kv.lengths[steps.seqs[r].slot]
 
 
-
 def test_pending_feed_is_what_the_next_propose_feeds(tiny_model_dir, tmp_path):
     """`pending_feed` (read-only) equals the tokens the next propose feeds a request in its first
     forward (`last_max_feed` for one request): its whole prompt before it drafted, 1 after a rejected
@@ -67,6 +66,8 @@ def test_pending_feed_is_what_the_next_propose_feeds(tiny_model_dir, tmp_path):
         assert p.last_max_feed == feed
         return feed, prop.token_ids
 
+    assert p.pending_feed("a", ids) == len(ids) and "a" not in p.seqs  # read-only: no slot taken
+    assert p.graph_max_feed is None  # no CUDA graphs on a CPU: the schedule gathers nothing
     feed, drafts = step(3)
     assert feed == len(ids)  # a request the draft has not seen: its prompt
     ids += drafts + [4]  # every draft accepted, then the bonus token

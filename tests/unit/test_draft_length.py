@@ -638,10 +638,10 @@ def test_a_draft_chain_as_fast_as_its_table_keeps_drafting(monkeypatch):
 
 
 def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(monkeypatch):
-    """Two chains slowed 10x by something else (a pause) make the scale 10 and stop drafting; probes
-    (after DRAFT_PROBE_EVERY decisions in a row without drafts, then twice as many after each probe not
-    followed by drafting) draft as the table says, take the table's time, and once they are the median
-    the schedule drafts every step again."""
+    """Two chains slowed 10x by something else (a pause) make the scale 10 and stop drafting; a probe
+    after DRAFT_PROBE_EVERY decisions in a row without drafts drafts as the table says and takes the
+    table's time, so the interval does not back off, and once such chains are the median the schedule
+    drafts every step again."""
     from specserve.engine.draft_length import DRAFT_PROBE_EVERY as E
 
     ad, prop, r = one_draft_request(monkeypatch, 20.0)
@@ -652,11 +652,10 @@ def test_a_scale_raised_by_slow_chains_is_measured_again_and_drafting_resumes(mo
     drafted = [i for i, k in enumerate(decide(ad, prop, r, 9 * E)) if k]
     # a probe at the E-th decision in a row without drafts is two decisions at the table's price: the
     # first feeds the tokens missed meanwhile (not timed), the second is timed: medians 10 (10, 10, 1),
-    # 5.5, then 1.0, and the schedule drafts every step again; each probe after which it did not draft
-    # on its own doubled the interval (E, 2E, 4E)
-    assert drafted[:6] == [E - 1, E, 3 * E, 3 * E + 1, 7 * E + 1, 7 * E + 2]
-    assert drafted[6:] == list(range(7 * E + 3, 9 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
-    # drafting on its own brought the interval back to E
+    # 5.5, then 1.0, and the schedule drafts every step again
+    # (a probe whose chain came out cheaper than the scale keeps the interval at E: no backoff)
+    assert drafted[:4] == [E - 1, E, 2 * E, 2 * E + 1]
+    assert drafted[4:] == list(range(3 * E + 1, 9 * E)) and ad.chain_scale(key) == pytest.approx(1.0)
     assert ad._probe_every[key] == E
 
 
@@ -757,10 +756,11 @@ def test_a_draft_model_is_probed_while_a_free_proposer_beside_it_drafts(monkeypa
 
 
 class FeedingChain(SlowChain):
-    """SlowChain on a launch-bound device: it says what its next propose would feed each request
-    (`pending_feed`), so the schedule gathers the requests it must feed a prompt or catch-up."""
+    """SlowChain with CUDA graphs that take 2 tokens per request (`graph_max_feed`): it says what its
+    next propose would feed each request (`pending_feed`), so the schedule gathers the requests whose
+    prompt or catch-up would make the chain eager."""
 
-    feed_batching = True
+    graph_max_feed = 2
 
     def pending_feed(self, request_id, token_ids):
         return len(token_ids) - min(self.held.get(request_id, 0), len(token_ids) - 1)
@@ -772,7 +772,7 @@ def feeding_batch(monkeypatch, n, batching=True):
     clock = fake_time(monkeypatch)
     cfg = SpeculativeConfig("draft_model", 4, model="m", num_speculative_tokens_schedule="adaptive")
     prop = FeedingChain([7] * 4, 20.0, clock)
-    prop.feed_batching = batching
+    prop.graph_max_feed = 2 if batching else None
     ad = AdaptiveK(FLAT, lambda c: prop)
     rs = [req(f"r{i}", cfg) for i in range(n)]
     for r in rs:
@@ -820,8 +820,8 @@ def test_a_draft_model_gathers_prompt_feeds_into_one_forward(monkeypatch):
 
 
 def test_feeds_are_not_gathered_where_a_forward_costs_its_tokens(monkeypatch):
-    """Where the drafter's feeds are not launch-bound (a CPU: `feed_batching` False), and for a lone
-    request, a request behind drafts at once."""
+    """Where the drafter has no graphs (a CPU: `graph_max_feed` None), and for a lone request, a request
+    behind drafts at once."""
     ad, prop, rs, cfg = feeding_batch(monkeypatch, 3, batching=False)
     decide_all(ad, prop, rs)
     late = req("late", cfg)
@@ -829,3 +829,41 @@ def test_feeds_are_not_gathered_where_a_forward_costs_its_tokens(monkeypatch):
     assert decide_all(ad, prop, rs + [late])["late"] > 0
     ad, prop, (lone,), _ = feeding_batch(monkeypatch, 1)
     assert decide_all(ad, prop, [lone])["r0"] > 0
+
+
+def test_gather_feeds_holds_back_only_requests_behind_that_would_draft_beside_requests_in_step():
+    """`_gather_feeds` on a given choice: a request behind (its feed longer than the draft's graphs
+    take) that the choice drafts for, beside a request in step that drafts too, is held (k = 0, made
+    again without its drafts) and counts a wait; a request the choice gives k = 0 is not waiting (a
+    stale count is dropped); where only requests behind draft, nobody waits; FEED_BATCH of them draft
+    together; in the second decision of a scale probe they always wait."""
+    from specserve.engine.draft_length import FEED_BATCH
+    from specserve.spec_decode.adaptive import Choice, DraftOption
+
+    class Drafter:
+        graph_max_feed = 16
+
+        def __init__(self, feeds):
+            self.feeds = feeds
+
+        def pending_feed(self, rid, tokens):
+            return self.feeds[rid]
+
+    def choose(opts):  # drafts one token for every option that may draft
+        return Choice([1 if o.acceptance else 0 for o in opts], 0.0, 1.0, 0.0)
+
+    def gather(ks, feeds, second=frozenset()):
+        rids = list(feeds)
+        opts = [DraftOption([0.9, 0.9], draft_group="d", draft_cost_ms=lambda n: 1.0) for _ in rids]
+        choice, _ = ad._gather_feeds(Choice(ks, 0.0, 1.0, 0.0), opts, rids, [[]] * len(rids),
+                                     {"d": Drafter(feeds)}, choose, set(second))
+        return choice.ks
+
+    ad = AdaptiveK(FLAT, lambda c: None)
+    ad._feed_wait["idle"] = 8  # left from an earlier wait
+    assert gather([1, 1, 0], {"steady": 1, "new": 300, "idle": 40}) == [1, 0, 1]  # choose() again: idle may draft
+    assert ad._feed_wait == {"new": 1}  # "idle" was given k = 0: not waiting, its count dropped
+    assert gather([0, 1], {"steady": 1, "new": 300}) == [0, 1]  # only requests behind draft: nobody waits
+    many = {"steady": 1, **{f"n{i}": 300 for i in range(FEED_BATCH)}}
+    assert gather([1] * len(many), many) == [1] * len(many)  # FEED_BATCH behind: fed together
+    assert gather([1] * len(many), many, second={"d"}) == [1] + [0] * FEED_BATCH  # a scale probe's second decision
