@@ -146,6 +146,16 @@ def instrument_adaptive(ad, log: StepLog) -> None:
     ad.wants_prepare = wants_prepare
 
 
+def expected_vs_realised(rows: list[dict]) -> dict:
+    """Steps that drafted: [expected, realised] medians of the step ms and committed tokens, and the
+    tokens per ms over all of them."""
+    med = lambda key: round(statistics.median(r[key] for r in rows), 3)  # noqa: E731
+    return {"steps": len(rows), "step_ms": [med("pred_ms"), med("wall_ms")],
+            "tokens": [round(med("pred_tokens"), 2), round(med("committed"), 2)],
+            "tokens_per_ms": [round(sum(r["pred_tokens"] for r in rows) / sum(r["pred_ms"] for r in rows), 3),
+                              round(sum(r["committed"] for r in rows) / sum(r["wall_ms"] for r in rows), 3)]}
+
+
 def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
     dec = [r for r in rows if not r.get("prefills")]
     parts = ["wall_ms", "schedule_ms", "propose_ms", "adaptive_ms", "to_host_ms", "commit_ms", "prepare_ms"]
@@ -165,22 +175,10 @@ def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
     # committed tokens against the realised ones (a cost model or acceptance estimate that is off shows here)
     chose = [r for r in dec if "pred_ms" in r and r.get("drafts")]
     if chose:
-        out["drafting_decisions_expected_vs_realised"] = {
-            "steps": len(chose),
-            "step_ms": [round(statistics.median(r["pred_ms"] for r in chose), 3),
-                        round(statistics.median(r["wall_ms"] for r in chose), 3)],
-            "tokens": [round(statistics.median(r["pred_tokens"] for r in chose), 2),
-                       round(statistics.median(r["committed"] for r in chose), 2)],
-            "tokens_per_ms": [round(sum(r["pred_tokens"] for r in chose) / sum(r["pred_ms"] for r in chose), 3),
-                              round(sum(r["committed"] for r in chose) / sum(r["wall_ms"] for r in chose), 3)]}
+        out["drafting_decisions_expected_vs_realised"] = expected_vs_realised(chose)
     chose16 = [r for r in chose if r["seqs"] >= 12]
     if chose16:
-        out["drafting_decisions_expected_vs_realised_12plus_seqs"] = {
-            "steps": len(chose16),
-            "step_ms": [round(statistics.median(r["pred_ms"] for r in chose16), 3),
-                        round(statistics.median(r["wall_ms"] for r in chose16), 3)],
-            "tokens": [round(statistics.median(r["pred_tokens"] for r in chose16), 2),
-                       round(statistics.median(r["committed"] for r in chose16), 2)]}
+        out["drafting_decisions_expected_vs_realised_12plus_seqs"] = expected_vs_realised(chose16)
     chains = [r for r in rows if "chain_ms" in r]
     if chains:  # a draft model's chains: steady (no request fed more than 2 tokens) or feeding a prompt/catch-up
         def part(rs):
