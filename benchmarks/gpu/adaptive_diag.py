@@ -132,6 +132,7 @@ def instrument_adaptive(ad, log: StepLog) -> None:
             # accepted drafts, for a configured k, are not in the expectation)
             others = kw.get("num_other_seqs", 0) + n_adaptive - len(ad.last_choice.ks)
             log.cur["pred_ms"] = ad.last_choice.step_ms
+            log.cur["fit_overhead_ms"] = ad.step_cost.overhead_ms  # the fitted per-step overhead it used
             log.cur["pred_tokens"] = ad.last_choice.expected_tokens + others
         return out
 
@@ -179,6 +180,9 @@ def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
     chose16 = [r for r in chose if r["seqs"] >= 12]
     if chose16:
         out["drafting_decisions_expected_vs_realised_12plus_seqs"] = expected_vs_realised(chose16)
+    if chose:  # the step-cost model's fitted per-step overhead when those decisions were made (median, max)
+        fit = [r["fit_overhead_ms"] for r in chose]
+        out["fit_overhead_ms_at_drafting_decisions"] = [round(statistics.median(fit), 3), round(max(fit), 3)]
     chains = [r for r in rows if "chain_ms" in r]
     if chains:  # a draft model's chains: steady (no request fed more than 2 tokens) or feeding a prompt/catch-up
         def part(rs):
