@@ -357,16 +357,17 @@ class LLMEngine:
         }
 
     def speculation_stats(self) -> dict:
-        """The adaptive schedule's state for /metrics: the measured step costs (target and draft models),
-        each draft model's chain scale (`AdaptiveK.chain_scale`: realised over modelled draft-chain ms)
-        and, per adaptive SpeculativeConfig, how often each k was chosen and its acceptance estimates."""
+        """The adaptive schedule's state for /metrics: the measured step costs, keyed (model name, role)
+        with role "target" or "draft" (a model drafting for itself has both), each draft model's chain
+        scale (`AdaptiveK.chain_scale`: realised over modelled draft-chain ms) and, per adaptive
+        SpeculativeConfig, how often each k was chosen and its acceptance estimates."""
         if self.adaptive is None:
             return {}
-        costs = {self.model_name: self.adaptive.step_cost}
+        costs = {(self.model_name, "target"): self.adaptive.step_cost}
         chain_scale = {}
         for key, prop in self._proposers.items():
             if hasattr(prop, "draft_step_cost") and getattr(prop, "_step_cost", None) is not None:
-                costs[prop.draft.files.name] = prop._step_cost
+                costs[(prop.draft.files.name, "draft")] = prop._step_cost
                 chain_scale[prop.draft.files.name] = self.adaptive.chain_scale(key)
         configs = []
         for cfg, counts in list(self.adaptive.chosen_k.items()):

@@ -475,9 +475,11 @@ def machine_busy(measured: "StepCostModel | None" = None) -> str | None:
 
 
 def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int = 256, repeats: int = 3,
-                    refresh: bool = False) -> StepCostModel:
+                    refresh: bool = False, role: str = "target") -> StepCostModel:
     """The cached measurement of `model` on this device, or a new one (written to the cache unless the
-    machine was busy while it was taken, see `machine_busy`; then `meta["busy"]` says why).
+    machine was busy while it was taken, see `machine_busy`; then `meta["busy"]` says why). `role`
+    ("target" or "draft") only names the model in the log: a model that drafts for itself is measured
+    once in each role (different grids).
 
     A cache file that cannot be read is measured again; one that cannot be written only logs a warning.
     """
@@ -489,7 +491,8 @@ def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int 
             return cm
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("step cost cache %s is unreadable (%s); measuring again", path, e)
-    logger.info("measuring the step cost of %s on %s (once per model, dtype and device)", model.files.name, model.device)
+    logger.info("measuring the step cost of %s (%s) on %s (once per model, dtype and device)", model.files.name, role,
+                model.device)
     busy = machine_busy()
     cm = measure_model(model, max_tokens=max_tokens, max_seqs=max_seqs, context=context, repeats=repeats)
     busy = busy or machine_busy(cm)
@@ -506,5 +509,5 @@ def load_or_measure(model: Any, *, max_tokens: int, max_seqs: int, context: int 
         cm.meta["cache"] = str(path)
     except OSError as e:
         logger.warning("could not cache the step cost in %s: %s", path, e)
-    logger.info("step cost of %s: %s", model.files.name, cm.summary())
+    logger.info("step cost of %s (%s): %s", model.files.name, role, cm.summary())
     return cm

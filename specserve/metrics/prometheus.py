@@ -158,12 +158,14 @@ class ServerMetrics:
 class SpeculationCollector:
     """The adaptive schedule's state, exported at scrape time from the engine's last `speculation_stats()`:
 
-    - specserve:step_cost_forward_seconds{model, num_tokens}: measured forward time of one sequence with
-      that many new tokens (the target, and each draft model in use), `specserve.engine.step_cost`;
-    - specserve:step_cost_seq_extra_seconds{model, num_seqs}: what that many sequences add over one;
-    - specserve:step_cost_overhead_seconds{model}: the step time outside the forward (EMA, the target);
-    - specserve:step_cost_draft_overhead_seconds{model}: the extra step time outside the forward per
-      verified draft token (online fit, the target);
+    - specserve:step_cost_forward_seconds{model, role, num_tokens}: measured forward time of one sequence
+      with that many new tokens, of the target (role "target") and of each draft model in use (role
+      "draft": a model that drafts for itself has both), `specserve.engine.step_cost`;
+    - specserve:step_cost_seq_extra_seconds{model, role, num_seqs}: what that many sequences add over one;
+    - specserve:step_cost_overhead_seconds{model, role}: the step time outside the forward (online fit;
+      fitted for the target only, 0 for a draft);
+    - specserve:step_cost_draft_overhead_seconds{model, role}: the extra step time outside the forward per
+      verified draft token (online fit, the target only);
     - specserve:step_cost_draft_chain_scale{model}: a draft model's realised draft-chain time over the
       time its table models (`AdaptiveK.chain_scale`; 1.0 until a few chains were timed);
     - specserve:spec_decode_adaptive_steps_total{profile, k}: decode steps in which the adaptive schedule
@@ -186,21 +188,23 @@ class SpeculationCollector:
         stats = self._stats
         fwd = GaugeMetricFamily("specserve:step_cost_forward_seconds",
                                 "Measured forward time of one sequence with num_tokens new tokens",
-                                labels=["model", "num_tokens"])
+                                labels=["model", "role", "num_tokens"])
         extra = GaugeMetricFamily("specserve:step_cost_seq_extra_seconds",
-                                  "Measured extra forward time of num_seqs sequences over one", labels=["model", "num_seqs"])
+                                  "Measured extra forward time of num_seqs sequences over one",
+                                  labels=["model", "role", "num_seqs"])
         over = GaugeMetricFamily("specserve:step_cost_overhead_seconds",
-                                 "Step time outside the forward of a step without drafts (online fit)", labels=["model"])
+                                 "Step time outside the forward of a step without drafts (online fit)",
+                                 labels=["model", "role"])
         draft_over = GaugeMetricFamily("specserve:step_cost_draft_overhead_seconds",
                                        "Extra step time outside the forward per verified draft token (online fit)",
-                                       labels=["model"])
-        for model, cm in (stats.get("step_cost") or {}).items():
+                                       labels=["model", "role"])
+        for (model, role), cm in (stats.get("step_cost") or {}).items():
             for t, ms in zip(cm.tokens, cm.token_ms):
-                fwd.add_metric([model, str(t)], ms / 1000)
+                fwd.add_metric([model, role, str(t)], ms / 1000)
             for b, ms in zip(cm.seqs, cm.seq_extra_ms):
-                extra.add_metric([model, str(b)], ms / 1000)
-            over.add_metric([model], cm.overhead_ms / 1000)
-            draft_over.add_metric([model], cm.draft_overhead_ms / 1000)
+                extra.add_metric([model, role, str(b)], ms / 1000)
+            over.add_metric([model, role], cm.overhead_ms / 1000)
+            draft_over.add_metric([model, role], cm.draft_overhead_ms / 1000)
         chain = GaugeMetricFamily("specserve:step_cost_draft_chain_scale",
                                   "Realised over modelled time of a draft model's draft chains (recent chains)",
                                   labels=["model"])

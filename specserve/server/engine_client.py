@@ -131,7 +131,7 @@ class EngineClient(Protocol):
         """
 
     def speculation_stats(self) -> dict[str, Any]:
-        """The adaptive schedule's state for /metrics: {"step_cost": {model: StepCostModel},
+        """The adaptive schedule's state for /metrics: {"step_cost": {(model, "target" | "draft"): StepCostModel},
         "chain_scale": {draft model: float}, "configs": [{"config", "chosen_k", "acceptance"}]}; {} without an adaptive profile."""
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

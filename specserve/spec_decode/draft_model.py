@@ -90,7 +90,8 @@ class DraftModelProposer:
         if self._step_cost is None:
             from specserve.engine.step_cost import load_or_measure
 
-            self._step_cost = load_or_measure(self.draft, max_tokens=16, max_seqs=min(self.draft.kv.num_slots, 16))
+            self._step_cost = load_or_measure(self.draft, max_tokens=16, max_seqs=min(self.draft.kv.num_slots, 16),
+                                              role="draft")
         return self._step_cost
 
     def _seq(self, request_id: str, token_ids: list[int]) -> _DraftSeq:

@@ -44,8 +44,8 @@ def test_sweep_one_server_with_admin_api(tiny, tmp_path, capsys):
         profiles = httpx.get(srv.base_url + "/admin/profiles", headers={"authorization": "Bearer t"}).json()["profiles"]
         prom = httpx.get(srv.base_url + "/metrics").text
     # the adaptive schedule's state is in /metrics: the measured step cost, k chosen per profile, estimates
-    assert 'specserve:step_cost_forward_seconds{model="tiny",num_tokens="1"}' in prom
-    assert 'specserve:step_cost_draft_overhead_seconds{model="tiny"}' in prom
+    assert 'specserve:step_cost_forward_seconds{model="tiny",num_tokens="1",role="target"}' in prom
+    assert 'specserve:step_cost_draft_overhead_seconds{model="tiny",role="target"}' in prom
     adaptive_name = next(n for n in profiles if n.endswith(".ngram_adaptive"))
     assert f'specserve:spec_decode_adaptive_steps_total{{k="0",profile="{adaptive_name}"}}' in prom
     assert f'specserve:spec_decode_acceptance_estimate{{position="1",profile="{adaptive_name}"}}' in prom

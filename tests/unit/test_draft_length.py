@@ -715,12 +715,14 @@ def test_metrics_export_the_draft_chain_scale_and_step_cost():
 
     m = ServerMetrics(["p"], "target")
     cfg = SpeculativeConfig("draft_model", 3, model="draft", num_speculative_tokens_schedule="adaptive")
-    stats = {"step_cost": {"target": FLAT, "draft": StepCostModel([1, 2], [20.0, 21.0])},
+    # a model that drafts for itself: its target and draft tables are both exported, told apart by role
+    stats = {"step_cost": {("m", "target"): FLAT, ("m", "draft"): StepCostModel([1, 2], [20.0, 21.0])},
              "chain_scale": {"draft": 1.25}, "configs": [{"config": cfg, "chosen_k": [2, 0, 5], "acceptance": [0.5]}]}
     m.set_speculation(stats, {"p": SimpleNamespace(spec_config=cfg)})
     text = m.render().decode()
     assert 'specserve:step_cost_draft_chain_scale{model="draft"} 1.25' in text
-    assert 'specserve:step_cost_forward_seconds{model="draft",num_tokens="2"} 0.021' in text
+    assert 'specserve:step_cost_forward_seconds{model="m",num_tokens="2",role="draft"} 0.021' in text
+    assert 'specserve:step_cost_forward_seconds{model="m",num_tokens="2",role="target"} 0.101' in text
     assert 'specserve:spec_decode_adaptive_steps_total{k="2",profile="p"} 5.0' in text
 
 
