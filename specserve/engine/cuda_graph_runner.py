@@ -44,7 +44,9 @@ class CudaGraphRunner:
         max_graph_tokens: most tokens of a graph step.
 
     Attributes:
-        capture_seconds: time the start-up capture took; num_graph_steps / num_eager_steps: counters.
+        capture_seconds: time the start-up capture took; num_graph_steps / num_eager_steps: counters;
+        last_step_eager: the last step ran eagerly although graphs were captured (a shape no bucket
+        holds, e.g. a long prefill chunk: the step-cost table does not model it).
     """
 
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, max_num_seqs: int,
@@ -66,6 +68,7 @@ class CudaGraphRunner:
         self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.last_step_eager = False
         self.capture_seconds = 0.0
         if cuda_graphs:
             self._capture_all()
@@ -142,6 +145,7 @@ class CudaGraphRunner:
         qlens = [len(t) for t in token_ids]
         qmax, T, B = max(qlens), sum(qlens), len(slots)
         bucket = self.buckets.pick(B, T, qmax) if self._graphs else None
+        self.last_step_eager = bucket is None and bool(self._graphs)
         if bucket is not None:
             self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight
             i = self._flip

@@ -394,12 +394,8 @@ class LLMEngine:
                 s.request.first_scheduled_time = now
         try:
             t_fwd = time.perf_counter()
-            eager_before = getattr(self.target.runner, "num_eager_steps", 0)
             logits = self.target.runner.execute(plan.model_input(self.device))
             t_fwd = time.perf_counter() - t_fwd
-            # the forward left the CUDA graphs: a shape the step-cost table does not model (`step_overhead_ms`)
-            unmodelled = (getattr(self.target.runner, "graph_max_qlen", None) is not None
-                          and getattr(self.target.runner, "num_eager_steps", 0) != eager_before)
             result = None
             overlap = self.overlap_host_work
             if plan.sampled:
@@ -420,8 +416,9 @@ class LLMEngine:
             cm = self.adaptive.step_cost
             wall_ms = 1000 * (time.perf_counter() - t_step)
             # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
+            # eager: the forward left the CUDA graphs, a shape the step-cost table does not model
             over = step_overhead_ms(cm, plan, wall_ms, 1000 * t_fwd, self.adaptive.take_decide_ms(),
-                                    self.device.type == "cuda", unmodelled)
+                                    self.device.type == "cuda", getattr(self.target.runner, "last_step_eager", False))
             if over is not None:
                 cm.observe_overhead(over, plan.num_draft_tokens)
         return outputs
