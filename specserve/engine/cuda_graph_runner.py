@@ -2,11 +2,12 @@
 
 What it does: the same job and interface as `ModelRunner` (`forward(seqs) -> logits`, KV lengths
 extended), on a CUDA device. At construction it captures one CUDA graph of `FusedForward` per shape
-bucket (`step_buckets.BucketSet`: token count x sequence count), all sharing one memory pool and one set
-of static input/output buffers. A step that fits a bucket (decodes, verify blocks, short prefill
-chunks, the draft model's steps) is packed into the bucket's padded layout on the host, copied to the
-device in one transfer, and replayed; a step outside every bucket (long prefill chunks) runs the same
-fused forward eagerly. Nothing is compiled or planned per shape after start-up: every kernel reads the
+bucket (`step_buckets.BucketSet`: token count x sequence count x longest sequence), all sharing one
+memory pool and one set of static input/output buffers. A step that fits a bucket (decodes, verify
+blocks, prompt chunks of up to `prefill_tokens` with the decodes beside them, the draft model's steps
+and catch-ups) is packed into the bucket's padded layout on the host, copied to the device in one
+transfer, and replayed; a step outside every bucket (a longer prompt chunk) runs the same fused forward
+eagerly, which on the H200 costs 12-15 ms of kernel launches whatever its size. Nothing is compiled or planned per shape after start-up: every kernel reads the
 step's shape from device tensors, so the first time a shape is seen costs what the hundredth does.
 The logits returned for a graph step are a view of the static output buffer, valid until the next
 forward of this runner.
@@ -40,23 +41,28 @@ class CudaGraphRunner:
         batch_invariant: every matmul in fixed reduction order (`FusedForward`); a verify block's logits
             are then bit-identical to one-token decodes.
         cuda_graphs: capture graphs (False: every step eager, e.g. to debug or compare).
-        max_qlen: most new tokens of one sequence in a graph step (1 + largest k); longer ones run eagerly.
-        max_graph_tokens: most tokens of a graph step.
+        max_qlen: most new tokens of one sequence in a decode bucket (1 + largest k).
+        max_graph_tokens: most tokens of a decode bucket.
+        prefill_tokens: most tokens of a prefill bucket (a step with a longer sequence, up to this many
+            tokens in all; 0: such steps run eagerly).
 
     Attributes:
         capture_seconds: time the start-up capture took; num_graph_steps / num_eager_steps: counters;
         last_step_eager: the last step ran eagerly although graphs were captured (a shape no bucket
-        holds, e.g. a long prefill chunk: the step-cost table does not model it).
+        holds, e.g. a prefill chunk over `prefill_tokens`); last_step_long: the last step held a sequence
+        of more than `max_qlen` new tokens (a prefill chunk, eager or not). The step-cost table models
+        neither (`llm_engine.step_overhead_ms`).
     """
 
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, max_num_seqs: int,
                  batch_invariant: bool = False, cuda_graphs: bool = True, max_qlen: int = SPLIT_MAX_QLEN,
-                 max_graph_tokens: int = 512):
+                 max_graph_tokens: int = 512, prefill_tokens: int = 512):
         self.model = model
         self.kv = kv
         self.device = device
         self.fwd = FusedForward(model, batch_invariant)
-        self.buckets = BucketSet(max_num_seqs, max_qlen, min(max_graph_tokens, max_num_seqs * max_qlen))
+        self.short_qlen = max_qlen
+        self.buckets = BucketSet(max_num_seqs, max_qlen, min(max_graph_tokens, max_num_seqs * max_qlen), prefill_tokens)
         self.layout = StepLayout(self.buckets.max_tokens, self.buckets.max_seqs)
         self._host = [torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
@@ -69,6 +75,7 @@ class CudaGraphRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.last_step_eager = False
+        self.last_step_long = False
         self.capture_seconds = 0.0
         if cuda_graphs:
             self._capture_all()
@@ -79,12 +86,21 @@ class CudaGraphRunner:
         None when no graphs were captured."""
         return self.buckets.max_qlen if self._graphs else None
 
+    @property
+    def graph_max_tokens(self) -> int | None:
+        """The most tokens of a step that replays a graph; None when no graphs were captured."""
+        return self.buckets.max_tokens if self._graphs else None
+
+    def fits_graph(self, qlens: list[int]) -> bool:
+        """Whether a step whose sequences have `qlens` new tokens each would replay a graph."""
+        return bool(self._graphs) and self.buckets.pick(len(qlens), sum(qlens), max(qlens)) is not None
+
     def _static_step(self, b: Bucket) -> StepTensors:
         f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
         return StepTensors(f("input_ids", b.num_tokens), f("positions", b.num_tokens), f("token_slots", b.num_tokens),
                            f("logits_rows", b.num_tokens), f("seq_qstart", b.num_seqs), f("seq_qlen", b.num_seqs),
                            f("seq_ctx", b.num_seqs), f("seq_slot", b.num_seqs),
-                           min(b.num_tokens, self.buckets.max_qlen))
+                           min(b.num_tokens, b.max_qlen))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -146,6 +162,7 @@ class CudaGraphRunner:
         qmax, T, B = max(qlens), sum(qlens), len(slots)
         bucket = self.buckets.pick(B, T, qmax) if self._graphs else None
         self.last_step_eager = bucket is None and bool(self._graphs)
+        self.last_step_long = qmax > self.short_qlen
         if bucket is not None:
             self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight
             i = self._flip

@@ -74,7 +74,9 @@ catch-up leaves the draft's CUDA graphs and runs eagerly, at a cost that grows f
 such chains took a median 21.8 ms against 6.5 ms for a steady k = 5 chain, and with one per new request
 they were 1.27 s of a 4.2 s run (60 chains). So a request the draft is behind on
 decodes plainly until FEED_BATCH requests are behind or it waited FEED_WAIT decisions (`_gather_feeds`;
-"behind": more than the draft's graphs take per sequence, `graph_max_feed`, 16 tokens). In a second
+"behind": more than the draft's graphs take per sequence, `graph_max_feed`: 16 tokens then, 512 since
+the runner captures prefill graphs and the draft feeds longer catch-ups ahead of the chain in up to 4
+graph forwards, `DraftModelProposer._feed_ahead`). In a second
 diagnosis run that gave 19 feeding chains (0.52 s), and in the paired c16 reps the adaptive draft model
 went from 0.97x to 1.01x of the baseline's throughput (docs/benchmarks/gpu_h200_c16_s17.json; that
 version held back requests more than 2 tokens behind). On a CPU there are no graphs and a forward's

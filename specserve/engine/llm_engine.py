@@ -46,22 +46,22 @@ GC_GEN0_THRESHOLD_CUDA = 50_000  # allocations between young collections on CUDA
 
 
 def step_overhead_ms(cost: StepCostModel, plan: StepPlan, wall_ms: float, forward_ms: float, decide_ms: float,
-                     cuda: bool, eager: bool = False) -> float | None:
+                     cuda: bool, prefill: bool = False) -> float | None:
     """A step's time outside the forward (ms) for the step-cost model's online overhead fit, or None
     for a step that must not be fitted. `wall_ms`: the whole step; `forward_ms`: the time the forward
     call took on the host; `decide_ms`: the adaptive decision's own time in it (amortised by its rest
-    steps, not a cost of the drafts); `eager`: the forward left the CUDA graphs the runner captured. On a
-    CPU the forward's time is measured (`forward_ms`). On CUDA the launch returns at once and the GPU's
-    time sits in the verify's device-to-host copy, so the forward's time is the modelled one, which the
-    table gives for the shapes its grid measured (graph replays: decode and verify rows); a step that
-    ran eagerly (a prefill chunk longer than a graph takes) is not fitted: its wall time less the
-    modelled forward is not host overhead. At 16 concurrent requests on the H200, where a new prompt
-    arrives every few steps, the choice expected 16.6 ms for drafting steps that took 12.1, which such
-    steps folded into the fitted per-step overhead would explain (the fit was not logged per decision;
-    docs/gpu-notes.md, Session 17)."""
+    steps, not a cost of the drafts); `prefill`: the step held a sequence of more new tokens than a decode
+    graph takes (`CudaGraphRunner.last_step_long`: a prompt chunk, replayed in a prefill graph or run
+    eagerly). On a CPU the forward's time is measured (`forward_ms`). On CUDA the launch returns at once
+    and the GPU's time sits in the verify's device-to-host copy, so the forward's time is the modelled
+    one, which the table gives for the shapes its grid measured (decode and verify rows); a prefill step
+    is not fitted: its wall time less the modelled forward is not host overhead. At 16 concurrent
+    requests on the H200, where a new prompt arrives every few steps, the choice expected 16.6 ms for
+    drafting steps that took 12.1, which such steps folded into the fitted per-step overhead would explain
+    (the fit was not logged per decision; docs/gpu-notes.md, Session 17)."""
     if not cuda:
         return max(wall_ms - forward_ms - decide_ms, 0.0)
-    if eager:
+    if prefill:
         return None
     return max(wall_ms - cost.forward_ms(plan.num_tokens, len(plan.scheduled)) - decide_ms, 0.0)
 
@@ -418,7 +418,7 @@ class LLMEngine:
             # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
             # eager: the forward left the CUDA graphs, a shape the step-cost table does not model
             over = step_overhead_ms(cm, plan, wall_ms, 1000 * t_fwd, self.adaptive.take_decide_ms(),
-                                    self.device.type == "cuda", getattr(self.target.runner, "last_step_eager", False))
+                                    self.device.type == "cuda", getattr(self.target.runner, "last_step_long", False))
             if over is not None:
                 cm.observe_overhead(over, plan.num_draft_tokens)
         return outputs

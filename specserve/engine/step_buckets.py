@@ -1,7 +1,7 @@
 """Shape buckets for CUDA-graph steps, and packing one step's sequences into a padded flat layout.
 
-What it does: `BucketSet` lists the (sequences, tokens) shapes that get a captured CUDA graph and picks
-the smallest one that holds a step; `pack_step` writes a step's token ids, positions, slots, logits rows
+What it does: `BucketSet` lists the (tokens, sequences, longest sequence) shapes that get a captured CUDA
+graph, decode buckets and prefill buckets, and picks the smallest one that holds a step; `pack_step` writes a step's token ids, positions, slots, logits rows
 and per-sequence layout into one int32 array with fixed field offsets (`StepLayout`), padded to the
 bucket: padding tokens get slot -1 (no KV write), padding sequences get 0 new tokens (no attention
 work), padding logits rows point at row 0 and are never returned. One array means one host-to-device
@@ -21,49 +21,67 @@ import numpy as np
 DEFAULT_TOKEN_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128,
                        160, 192, 224, 256, 320, 384, 448, 512)
 DEFAULT_SEQ_SIZES = (1, 4, 16, 64, 256)
+# Token counts of the prefill buckets (steps with a sequence of more than max_qlen new tokens: a prompt
+# chunk, a draft model's catch-up). Such steps cost what their tokens cost (compute), so padding them to a
+# coarse size wastes less than an eager forward's launches (~12-15 ms on the H200) would.
+PREFILL_TOKEN_SIZES = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """A captured step shape: `num_tokens` token rows (>= num_seqs) over `num_seqs` sequence entries."""
+    """A captured step shape: `num_tokens` token rows (>= num_seqs) over `num_seqs` sequence entries, of
+    which none has more than `max_qlen` new tokens (the attention grid is sized for it)."""
 
     num_tokens: int
     num_seqs: int
+    max_qlen: int
 
 
 class BucketSet:
     """The graph shapes of one runner.
 
+    Two families: decode buckets, whose sequences have at most `max_qlen` new tokens each (decodes,
+    verify blocks, short prompt tails), and prefill buckets, which hold one or more sequences of up to
+    all their tokens (a prompt chunk, a draft model's catch-up on a prompt) beside short ones. A prefill
+    bucket's attention grid is sized for its longest possible sequence; its padding tiles exit at once.
+
     Args:
         max_num_seqs: most sequences in one step (the KV slot count).
-        max_qlen: most new tokens of one sequence in a graph step (1 + the largest k served by graphs).
-        max_tokens: most tokens of a graph step.
-        token_sizes, seq_sizes: candidate sizes (each list is cut to the limits; max_num_seqs is added).
+        max_qlen: most new tokens of one sequence in a decode bucket (1 + the largest k served by graphs).
+        max_tokens: most tokens of a decode bucket.
+        prefill_tokens: most tokens of a prefill bucket (0: none; longer steps run eagerly).
+        token_sizes, seq_sizes, prefill_sizes: candidate sizes (each list is cut to the limits;
+            max_num_seqs is added to the sequence sizes).
 
     Raises:
-        ValueError: a limit below 1.
+        ValueError: a limit below 1 (prefill_tokens below 0).
     """
 
-    def __init__(self, max_num_seqs: int, max_qlen: int = 16, max_tokens: int = 512,
-                 token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, seq_sizes: Sequence[int] = DEFAULT_SEQ_SIZES):
-        if min(max_num_seqs, max_qlen, max_tokens) < 1:
-            raise ValueError("max_num_seqs, max_qlen and max_tokens must be >= 1")
-        self.max_qlen = max_qlen
+    def __init__(self, max_num_seqs: int, max_qlen: int = 16, max_tokens: int = 512, prefill_tokens: int = 0,
+                 token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES, seq_sizes: Sequence[int] = DEFAULT_SEQ_SIZES,
+                 prefill_sizes: Sequence[int] = PREFILL_TOKEN_SIZES):
+        if min(max_num_seqs, max_qlen, max_tokens) < 1 or prefill_tokens < 0:
+            raise ValueError("max_num_seqs, max_qlen and max_tokens must be >= 1, prefill_tokens >= 0")
         seqs = sorted({s for s in seq_sizes if s < max_num_seqs} | {max_num_seqs})
         tokens = sorted({t for t in token_sizes if t <= max_tokens} | {s for s in seqs if s <= max_tokens})
         # only shapes a step can have: num_seqs <= num_tokens <= num_seqs * max_qlen
-        self.buckets: list[Bucket] = sorted(Bucket(t, s) for s in seqs for t in tokens if s <= t <= s * max_qlen)
+        decode = [Bucket(t, s, max_qlen) for s in seqs for t in tokens if s <= t <= s * max_qlen]
+        prefill = [Bucket(t, s, t) for s in seqs for t in prefill_sizes if max_qlen < t <= prefill_tokens and s < t]
+        # sorted by (tokens, sequences, longest sequence): a step takes the fewest padded tokens, and of two
+        # buckets of one size the decode one (its grid has no long-sequence tiles)
+        self.buckets: list[Bucket] = sorted(decode + prefill)
+        self.max_qlen = max((b.max_qlen for b in self.buckets), default=0)
         self.max_tokens = max((b.num_tokens for b in self.buckets), default=0)
         self.max_seqs = max((b.num_seqs for b in self.buckets), default=0)
 
     def pick(self, num_seqs: int, num_tokens: int, max_qlen: int) -> Bucket | None:
-        """The bucket with the fewest tokens (then fewest sequences) that holds the step, or None when
-        the step is outside every bucket (too many tokens or sequences, or a sequence longer than
-        max_qlen): such a step runs eagerly."""
+        """The bucket with the fewest tokens (then fewest sequences, then the decode one) that holds the
+        step, or None when the step is outside every bucket (too many tokens or sequences, or a sequence
+        longer than any bucket takes): such a step runs eagerly."""
         if max_qlen > self.max_qlen or num_tokens > self.max_tokens or num_seqs > self.max_seqs:
             return None
-        for b in self.buckets:  # sorted by (tokens, seqs)
-            if b.num_tokens >= num_tokens and b.num_seqs >= num_seqs:
+        for b in self.buckets:
+            if b.num_tokens >= num_tokens and b.num_seqs >= num_seqs and b.max_qlen >= max_qlen:
                 return b
         return None
 

@@ -12,8 +12,10 @@ other processes only ever add wall time). `StepCostModel` interpolates those poi
 (piecewise linear between measured points, linear beyond the last) and e(B) the extra cost of B
 sequences over one sequence of the same token count (attention and metadata per sequence).
 On CUDA that sum does not describe the device: steps run as CUDA graphs bucketed by (sequences, tokens
-per sequence), so one sequence of 32 new tokens runs eagerly (~11 ms for the 0.5b on the H200) while 16
-sequences of 2 tokens replay a graph (~1.3 ms). There the measurement also times uniform batches, B
+per sequence), so a step's cost does not follow its token count alone: 16 sequences of 2 tokens replay a
+decode graph (~1.3 ms for the 0.5b on the H200), one sequence of 32 new tokens a prefill graph whose
+attention grid is sized for a long sequence, and a prefill chunk past the largest prefill graph runs
+eagerly (~11 ms). There the measurement also times uniform batches, B
 sequences of q new tokens each (the shapes decode and verify steps have), and forward_ms(T, B) for B >= 2
 interpolates that grid at q = T / B (bilinear; beyond the grid's B, linear), falling back to f + e only
 for steps with more tokens per sequence than the grid (a prefill chunk is in them). The step

@@ -8,7 +8,8 @@ then drafts k tokens autoregressively, batched over requests. Greedy requests ge
 reading the previous argmax there, with one device-to-host copy at the end); sampled requests get a sample from the draft's own distribution under the request's
 temperature/top-k/top-p/min-p, drawn with the request's uniform u(seed, output position, DRAFT)
 (`specserve.sample.uniforms`), and that q is returned for the rejection sampler (Leviathan et al. 2023).
-A request whose context does not fit the draft's shorter context gets fewer (or no) drafts.
+A request whose context does not fit the draft's shorter context gets fewer (or no) drafts. On CUDA a
+long catch-up (a new request's prompt) is fed in graph-sized forwards ahead of the chain (`_feed_ahead`).
 With the engine's prefix caching on (docs/prefix_caching.md) the draft's cache is a prefix cache too: a
 new request starts in the draft slot holding the longest cached prefix of its tokens, and a finished
 request's draft slot stays cached with the tokens its draft K/V were computed for that equal the
@@ -33,6 +34,8 @@ from specserve.sample.uniforms import Purpose, seed_key, uniform
 from specserve.spec_decode.proposer import Proposal, ProposalInput, ProposerContext
 
 logger = logging.getLogger(__name__)
+
+MAX_FEED_AHEAD = 4  # most graph forwards fed ahead of a chain; past it one eager forward costs about as much
 
 
 @dataclass
@@ -80,8 +83,10 @@ class DraftModelProposer:
         # adaptive schedule times only chains without a prompt or catch-up (`AdaptiveK.chain_scale`)
         self.last_max_feed = 0
         # the most tokens one request may feed for the chain's first forward to replay a CUDA graph (None: no
-        # graphs, e.g. on a CPU). Beyond it the forward runs eagerly, which on a GPU is launch-bound: about as
-        # dear for one request's prompt as for several, so the adaptive schedule gathers such feeds
+        # graphs, e.g. on a CPU; a prefill graph's size on CUDA). A longer catch-up is fed in graph-sized
+        # forwards ahead of the chain (`_feed_ahead`), or past MAX_FEED_AHEAD of them in one eager forward,
+        # which on a GPU is launch-bound: about as dear for one request's prompt as for several, so the
+        # adaptive schedule gathers such feeds (`AdaptiveK._gather_feeds`)
         self.graph_max_feed = getattr(self.draft.runner, "graph_max_qlen", None)
 
     def draft_step_cost(self):
@@ -127,6 +132,52 @@ class DraftModelProposer:
             n = n if n >= self.prefix_cache_min_tokens else 0
         return len(token_ids) - n
 
+    def _feed_ahead(self, seqs: list[_DraftSeq], feeds: list[list[int]]) -> list[list[int]]:
+        """Feed the front of long catch-ups (a new request's prompt) in forwards that replay a CUDA graph,
+        so that the chain's first forward, with every request's last tokens, replays one too.
+
+        On the H200 an eager forward costs 12-15 ms of kernel launches whatever its size, a graph replay
+        of a few hundred prompt tokens 1-3 ms. Each forward ahead takes, longest feed first, up to the
+        graphs' longest sequence of each feed (never its last token, whose logits the chain needs), within
+        the graphs' token count, until the rest fits a graph; past MAX_FEED_AHEAD forwards nothing is fed
+        ahead and the chain's first forward runs eagerly. Without graphs (a CPU) nothing is fed ahead.
+
+        Args:
+            seqs: the requests' draft slots, their `cached` tokens equal to the slot's K/V (extended here).
+            feeds: each request's tokens still to feed.
+
+        Returns:
+            The tokens each request still feeds in the chain's first forward (a suffix of its feed).
+        """
+        runner = self.draft.runner
+        fits = getattr(runner, "fits_graph", None)
+        if fits is None or fits([len(f) for f in feeds]):
+            return feeds
+        cap_q, cap_t = runner.graph_max_qlen, runner.graph_max_tokens
+        left = [len(f) for f in feeds]
+        plan: list[list[tuple[int, int]]] = []  # per forward ahead: (request index, tokens)
+        while not fits(left):
+            budget, rows = cap_t, []
+            for i in sorted(range(len(left)), key=lambda i: -left[i]):
+                n = min(left[i] - 1, cap_q, budget)
+                if n <= 0:
+                    break
+                rows.append((i, n))
+                budget -= n
+            if not rows or len(plan) == MAX_FEED_AHEAD:
+                return feeds
+            for i, n in rows:
+                left[i] -= n
+            plan.append(rows)
+        for rows in plan:
+            chunks = [feeds[i][:n] for i, n in rows]
+            runner.run([seqs[i].slot for i, _ in rows], [len(seqs[i].cached) for i, _ in rows], chunks,
+                       [1] * len(rows))
+            for (i, n), chunk in zip(rows, chunks):
+                seqs[i].cached += chunk
+                feeds[i] = feeds[i][n:]
+        return feeds
+
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [R, Vd] -> [R, V_target]: extra draft ids dropped, missing ones never drafted."""
         V = self.target_vocab
@@ -160,7 +211,8 @@ class DraftModelProposer:
             return [Proposal(drafts.get(inp.request_id, []), None) for inp in inputs]
         drafts: dict[str, list[int]] = {inp.request_id: [] for inp in inputs}
         qs: dict[str, list[torch.Tensor]] = {inp.request_id: [] for inp in inputs}
-        feeds = [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active]
+        feeds = self._feed_ahead([seq for _, seq, _ in active],
+                                 [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active])
         step = 0
         while active:
             logits = self.draft.runner.forward(
@@ -201,8 +253,9 @@ class DraftModelProposer:
         runner = self.draft.runner
         V = min(self.target_vocab, self.draft.config.vocab_size)
         slots = [seq.slot for _, seq, _ in active]
+        feeds = self._feed_ahead([seq for _, seq, _ in active],
+                                 [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active])
         pos = [len(seq.cached) for _, seq, _ in active]
-        feeds = [list(inp.token_ids[len(seq.cached):]) for inp, seq, _ in active]
         logits = runner.run(slots, pos, feeds, [1] * len(active))
         tok = logits[:, :V].argmax(-1)
         steps = [tok]  # steps[j][i]: draft j of the i-th request still drafting at step j

@@ -87,19 +87,20 @@ def test_graph_replay_matches_eager(tiny_model_dir, batch_invariant):
     from specserve.engine.cuda_graph_runner import CudaGraphRunner
 
     model, new_kv = _load(tiny_model_dir, torch.float32, "cuda")
-    runners = [CudaGraphRunner(model, new_kv(), torch.device("cuda"), 4, batch_invariant, cuda_graphs=g)
-               for g in (True, False)]
+    # eager, graphs with prefill graphs (the default), graphs without them (prefill chunks eager)
+    runners = [CudaGraphRunner(model, new_kv(), torch.device("cuda"), 4, batch_invariant, cuda_graphs=g,
+                               prefill_tokens=p) for g, p in ((False, 512), (True, 512), (True, 0))]
     for r in runners:
         for _ in range(3):
             r.kv.allocate()
     for seqs in _steps(model.config.vocab_size):
-        got, want = (r.forward(seqs).clone() for r in runners)
-        if batch_invariant:
-            assert torch.equal(got, want)
-        else:
-            assert float((got - want).norm() / want.norm()) < 1e-5
-    assert runners[0].num_graph_steps == 2 and runners[0].num_eager_steps == 1  # the 70-token prefill
-    assert runners[1].num_graph_steps == 0
+        want, *got = (r.forward(seqs).clone() for r in runners)
+        for g in got:
+            if batch_invariant:
+                assert torch.equal(g, want)
+            else:
+                assert float((g - want).norm() / want.norm()) < 1e-5
+    assert [(r.num_graph_steps, r.num_eager_steps) for r in runners] == [(0, 3), (3, 0), (2, 1)]  # the 70-token prefill
 
 
 @needs_cuda

@@ -25,14 +25,34 @@ def test_bucket_set_sends_outsized_steps_to_eager():
     assert bs.pick(1, 9, 9) is None  # one sequence longer than max_qlen (a prefill chunk)
     assert bs.pick(4, 17, 5) is None  # more tokens than any bucket
     assert bs.pick(5, 5, 1) is None  # more sequences than slots
-    assert bs.pick(3, 3, 1) == Bucket(4, 4)  # 4 sequence entries is the smallest count >= 3 here
+    assert bs.pick(3, 3, 1) == Bucket(4, 4, 8)  # 4 sequence entries is the smallest count >= 3 here
 
 
 def test_bucket_shapes_are_possible_steps_only():
     bs = BucketSet(max_num_seqs=16, max_qlen=4)
-    assert all(b.num_seqs <= b.num_tokens <= 4 * b.num_seqs for b in bs.buckets)
+    assert all(b.num_seqs <= b.num_tokens <= 4 * b.num_seqs and b.max_qlen == 4 for b in bs.buckets)
     with pytest.raises(ValueError):
         BucketSet(max_num_seqs=0)
+    with pytest.raises(ValueError):
+        BucketSet(max_num_seqs=4, prefill_tokens=-1)
+
+
+def test_prefill_buckets_take_long_sequences_beside_short_ones():
+    """Prefill buckets hold a prompt chunk (or a draft's catch-up) of up to `prefill_tokens` with short
+    sequences beside it; a step of short sequences still takes a decode bucket of the same size, and a
+    step past every prefill bucket runs eagerly (None)."""
+    bs = BucketSet(max_num_seqs=16, max_qlen=16, max_tokens=256, prefill_tokens=512)
+    assert bs.max_qlen == 512 and bs.max_tokens == 512
+    b = bs.pick(1, 300, 300)  # one prompt chunk of 300 tokens
+    assert b == Bucket(384, 1, 384)
+    b = bs.pick(16, 15 + 200, 200)  # 15 decodes and a 200-token chunk
+    assert b == Bucket(256, 16, 256)
+    assert bs.pick(16, 32, 2) == Bucket(32, 16, 16)  # verify blocks: the decode bucket, not the prefill one
+    assert bs.pick(16, 32, 17) == Bucket(32, 16, 32)  # one sequence of 17: the prefill one
+    assert bs.pick(1, 513, 513) is None and bs.pick(2, 520, 500) is None
+    for b in bs.buckets:
+        assert b.num_seqs <= b.num_tokens and (b.max_qlen == 16 or b.max_qlen == b.num_tokens)
+    assert BucketSet(max_num_seqs=16, max_qlen=16, max_tokens=256).max_qlen == 16  # prefill_tokens 0: none
 
 
 def test_pack_step_pads_tokens_and_sequences():

@@ -304,8 +304,9 @@ def test_a_cpu_table_is_converted_to_wall_ms(tiny_model_dir, monkeypatch):
 
 def test_step_overhead_is_fitted_only_where_the_forward_time_is_known():
     """The overhead fit's sample: on a CPU the wall time less the measured forward and the decision; on
-    CUDA the wall time less the modelled forward and the decision, and none for a step whose forward
-    left the CUDA graphs (a long prefill chunk: the table does not model it)."""
+    CUDA the wall time less the modelled forward and the decision, and none for a step with a sequence
+    longer than a decode graph takes (a prompt chunk, in a prefill graph or eager: the table does not
+    model it)."""
     from types import SimpleNamespace
 
     from specserve.engine.llm_engine import step_overhead_ms
@@ -316,7 +317,7 @@ def test_step_overhead_is_fitted_only_where_the_forward_time_is_known():
     assert step_overhead_ms(cm, decode, 10.0, 6.0, 1.0, cuda=False) == pytest.approx(3.0)
     assert step_overhead_ms(cm, prefill, 30.0, 25.0, 1.0, cuda=False) == pytest.approx(4.0)
     assert step_overhead_ms(cm, decode, 3.0, 0.1, 0.5, cuda=True) == pytest.approx(3.0 - cm.forward_ms(4, 4) - 0.5)
-    assert step_overhead_ms(cm, prefill, 30.0, 0.1, 0.5, cuda=True, eager=True) is None
-    short = SimpleNamespace(has_prefill=True, num_tokens=8, scheduled=[0] * 4)  # a short chunk: a graph replay
+    assert step_overhead_ms(cm, prefill, 30.0, 0.1, 0.5, cuda=True, prefill=True) is None
+    short = SimpleNamespace(has_prefill=True, num_tokens=8, scheduled=[0] * 4)  # a short chunk: a decode-graph replay
     assert step_overhead_ms(cm, short, 3.0, 0.1, 0.5, cuda=True) == pytest.approx(3.0 - cm.forward_ms(8, 4) - 0.5)
     assert step_overhead_ms(cm, decode, 1.0, 0.1, 5.0, cuda=True) == 0.0
