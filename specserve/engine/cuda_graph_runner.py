@@ -88,8 +88,11 @@ class CudaGraphRunner:
 
     @property
     def graph_max_tokens(self) -> int | None:
-        """The most tokens of a step that replays a graph; None when no graphs were captured."""
-        return self.buckets.max_tokens if self._graphs else None
+        """The most tokens of a graph step that holds a sequence of `graph_max_qlen` new tokens (the
+        largest prefill bucket, or decode bucket without them); None when no graphs were captured."""
+        if not self._graphs:
+            return None
+        return max(b.num_tokens for b in self.buckets.buckets if b.max_qlen == self.buckets.max_qlen)
 
     def fits_graph(self, qlens: list[int]) -> bool:
         """Whether a step whose sequences have `qlens` new tokens each would replay a graph."""

@@ -151,8 +151,8 @@ class DraftModelProposer:
         """
         runner = self.draft.runner
         fits = getattr(runner, "fits_graph", None)
-        if fits is None or fits([len(f) for f in feeds]):
-            return feeds
+        if fits is None or runner.graph_max_qlen is None or fits([len(f) for f in feeds]):
+            return feeds  # no graphs (a CPU, or CUDA with graphs off), or the chain's forward replays one
         cap_q, cap_t = runner.graph_max_qlen, runner.graph_max_tokens
         left = [len(f) for f in feeds]
         plan: list[list[tuple[int, int]]] = []  # per forward ahead: (request index, tokens)
