@@ -74,13 +74,18 @@ catch-up leaves the draft's CUDA graphs and runs eagerly, at a cost that grows f
 such chains took a median 21.8 ms against 6.5 ms for a steady k = 5 chain, and with one per new request
 they were 1.27 s of a 4.2 s run (60 chains). So a request the draft is behind on
 decodes plainly until FEED_BATCH requests are behind or it waited FEED_WAIT decisions (`_gather_feeds`;
-"behind": more than the draft's graphs take per sequence, `graph_max_feed`: 16 tokens then, 512 since
-the runner captures prefill graphs and the draft feeds longer catch-ups ahead of the chain in up to 4
-graph forwards, `DraftModelProposer._feed_ahead`). In a second
+"behind": more than the draft's graphs took per sequence, `graph_max_feed`, 16 tokens then). In a second
 diagnosis run that gave 19 feeding chains (0.52 s), and in the paired c16 reps the adaptive draft model
 went from 0.97x to 1.01x of the baseline's throughput (docs/benchmarks/gpu_h200_c16_s17.json; that
 version held back requests more than 2 tokens behind). On a CPU there are no graphs and a forward's
 time follows its tokens: nothing is gathered (`graph_max_feed` is None).
+Since session 18 the runner captures prefill graphs (a sequence of up to 512 new tokens) and the draft
+feeds a longer catch-up ahead of its chain in up to 4 such graph forwards
+(`DraftModelProposer._feed_ahead`), so a feed costs what its tokens cost up to 5 x 512 tokens per
+request (`graph_max_feed`); only feeds beyond that (none in the c16 workload, whose longest prompt has
+1327 tokens) still leave the graphs and are gathered. At 16 concurrent requests on the H200 a feeding
+chain then took a median 6.3 ms against 5.1 ms for a steady one (was 21.8 against 6.5), and the static
+draft model went from 0.98-1.01x to 1.11-1.13x of the baseline (docs/gpu-notes.md, Session 18).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of

@@ -82,12 +82,14 @@ class DraftModelProposer:
         # that drafted in the step before: the draft keeps its own drafts; its prompt for a new one): the
         # adaptive schedule times only chains without a prompt or catch-up (`AdaptiveK.chain_scale`)
         self.last_max_feed = 0
-        # the most tokens one request may feed for the chain's first forward to replay a CUDA graph (None: no
-        # graphs, e.g. on a CPU; a prefill graph's size on CUDA). A longer catch-up is fed in graph-sized
-        # forwards ahead of the chain (`_feed_ahead`), or past MAX_FEED_AHEAD of them in one eager forward,
-        # which on a GPU is launch-bound: about as dear for one request's prompt as for several, so the
-        # adaptive schedule gathers such feeds (`AdaptiveK._gather_feeds`)
-        self.graph_max_feed = getattr(self.draft.runner, "graph_max_qlen", None)
+        # the most tokens one request alone may feed with every forward of its chain replaying a CUDA graph:
+        # up to MAX_FEED_AHEAD graph forwards fed ahead (`_feed_ahead`) and the chain's first, each of at most
+        # the graphs' longest sequence (None: no graphs, e.g. on a CPU). Past it the chain's first forward
+        # runs eagerly, which on a GPU is launch-bound (12-15 ms on the H200): about as dear for one
+        # request's prompt as for several, so the adaptive schedule gathers such feeds
+        # (`AdaptiveK._gather_feeds`); below it a feed costs what its tokens cost, and nothing is gathered
+        qlen = getattr(self.draft.runner, "graph_max_qlen", None)
+        self.graph_max_feed = None if qlen is None else (MAX_FEED_AHEAD + 1) * qlen
 
     def draft_step_cost(self):
         """The measured time of one draft forward (`StepCostModel`, cached per model and device; measured

@@ -162,7 +162,6 @@ def test_feed_ahead_on_cuda_graphs_drafts_what_eager_drafts(tiny_model_dir, tmp_
     for p, graphs in zip(props, (True, False)):
         d = p.draft
         d.runner = CudaGraphRunner(d.model, d.kv, d.device, 4, cuda_graphs=graphs, prefill_tokens=32)
-        p.graph_max_feed = d.runner.graph_max_qlen
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     g = torch.Generator().manual_seed(0)
     ctx = {"a": torch.randint(0, 200, (70,), generator=g).tolist(),
