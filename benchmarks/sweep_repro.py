@@ -30,7 +30,8 @@ GRID = ["--methods", "ngram,suffix", "--k", "2,4,6,8", "--no-adaptive", "--concu
 def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) -> tuple[dict, float]:
     """One `specserve sweep` over GRID; returns (its sweep.json, wall seconds)."""
     cmd = [sys.executable, "-m", "specserve.cli", "sweep", "--base-url", base_url, "--admin-token", token, *GRID,
-           "--repeats", str(args.repeats), "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),
+           "--repeats", str(args.repeats), "--num-prompts", str(args.num_prompts), "--min-waves", str(args.min_waves),
+           "--max-tokens", str(args.max_tokens),
            "--output-dir", str(out),
            "--no-progress", "--no-html", "--prune-margin", str(args.prune_margin)]
     t0 = time.perf_counter()
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=4, help="requests per run (the sweep's default)")
+    ap.add_argument("--min-waves", type=int, default=2,
+                    help="requests per concurrent stream at least (the sweep's default is 1; 2 gives the c = 4 "
+                         "runs 8 requests, where with 4 the code segment's pick moved between re-runs)")
     ap.add_argument("--max-tokens", type=int, default=64, help="the sweep's default")
     ap.add_argument("--repeats", type=int, default=2, help="repeats per (segment, concurrency) in each sweep")
     ap.add_argument("--prune-margin", type=float, default=0.0,
@@ -84,6 +88,7 @@ def main() -> None:
         "benchmark": "sweep_repro", "model": args.model, "started": started,
         "conditions": f"{os.cpu_count()} CPUs (shared), {args.device}, {args.dtype}, one `specserve serve`, "
                       f"sweep {' '.join(GRID)} --repeats {args.repeats} --num-prompts {args.num_prompts} "
+                      f"--min-waves {args.min_waves} "
                       f"--max-tokens {args.max_tokens} "
                       f"(prune margin {first['config'].get('prune_margin')}), run twice",
         "summary": {"wall_s": [round(wall1, 1), round(wall2, 1)], "under_30_min": max(wall1, wall2) < 1800,

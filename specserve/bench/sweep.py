@@ -87,6 +87,7 @@ class SweepConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     segments: list[str] = field(default_factory=lambda: ["code", "edit", "chat"])
     num_prompts: int = 4
+    min_waves: int = 1  # each run sends at least min_waves x concurrency requests (`requests_per_run`)
     max_tokens: int = 64
     max_prompt_chars: int = 1500
     repeats: int = 2
@@ -97,6 +98,18 @@ class SweepConfig:
     interleave: bool = True  # one running server, concurrency 1: the profiles take turns request by request
     timeout_s: float = 600.0
     progress: bool = True
+
+
+def requests_per_run(cfg: SweepConfig, concurrency: int) -> int:
+    """Requests of one run at `concurrency`: `num_prompts`, raised to `min_waves` x concurrency. A
+    closed-loop run of fewer requests than its concurrency never reaches it, and one of a single wave
+    is a burst whose TPOT rests on as many requests as there are streams (at c = 4 with 4 prompts, the
+    code segment's best suffix k moved between re-runs: docs/adaptive-speculation.md)."""
+    return max(cfg.num_prompts, cfg.min_waves * concurrency)
+
+
+def _total_requests(cfg: SweepConfig, num_profiles: int) -> int:
+    return cfg.repeats * len(cfg.segments) * num_profiles * sum(requests_per_run(cfg, c) for c in cfg.concurrency)
 
 
 def plan_profiles(cfg: SweepConfig) -> dict[str, dict | None]:
@@ -133,7 +146,8 @@ def served_configs(profiles: dict[str, dict | None], tag: str) -> dict[str, dict
 def samples_for(cfg: SweepConfig, segment: str, repeat: int, concurrency: int) -> list:
     """The requests of one (segment, repeat, concurrency): greedy, seeded, fresh per repeat and concurrency."""
     seed = cfg.seed + 1000 * repeat + concurrency
-    samples, _ = datasets.load_samples(segment, cfg.num_prompts, seed, cfg.max_tokens, cfg.max_prompt_chars)
+    samples, _ = datasets.load_samples(segment, requests_per_run(cfg, concurrency), seed, cfg.max_tokens,
+                                       cfg.max_prompt_chars)
     for s in samples:
         s.temperature = 0.0
         s.max_tokens = min(s.max_tokens, cfg.max_tokens)
@@ -254,7 +268,7 @@ async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map:
     kept: dict[tuple[str, int], list[str]] = {}
     own_bar = bar is None
     if own_bar:
-        total = cfg.repeats * len(cfg.segments) * len(cfg.concurrency) * len(served_names) * cfg.num_prompts
+        total = _total_requests(cfg, len(served_names))
         bar = tqdm(total=total, desc="sweep", unit="req", file=sys.stderr, disable=not cfg.progress)
     runs = []
     try:
@@ -289,7 +303,7 @@ async def _sweep_loop(cl, cfg: SweepConfig, base_url: str, model: str, name_map:
                         if cut:
                             pruned[(seg, conc)] = cut
                             kept[(seg, conc)] = [n for n in served_names if name_map[n] not in cut]
-                            bar.total -= len(cut) * (cfg.repeats - 1) * cfg.num_prompts
+                            bar.total -= len(cut) * (cfg.repeats - 1) * requests_per_run(cfg, conc)
                             bar.refresh()
     finally:
         if own_bar:
@@ -312,7 +326,7 @@ async def sweep_external(cfg: SweepConfig, profiles: dict[str, dict | None], log
     from specserve.bench.runner import discover_model
     from specserve.bench.server_process import ServerProcess, ServerStartError
 
-    total = cfg.repeats * len(cfg.segments) * len(cfg.concurrency) * len(profiles) * cfg.num_prompts
+    total = _total_requests(cfg, len(profiles))
     bar = tqdm(total=total, desc="sweep", unit="req", file=sys.stderr, disable=not cfg.progress)
     runs = []
     try:
@@ -350,8 +364,9 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
         raise ValueError("give --base-url (one running specserve server) or --server-cmd (external servers)")
     if cfg.base_url and cfg.server_cmd:
         raise ValueError("give --base-url or --server-cmd, not both")
-    if min(cfg.ks, default=0) < 1 or min(cfg.concurrency, default=0) < 1 or cfg.repeats < 1 or cfg.num_prompts < 1:
-        raise ValueError("--k, --concurrency, --repeats and --num-prompts must be >= 1")
+    if (min(cfg.ks, default=0) < 1 or min(cfg.concurrency, default=0) < 1 or cfg.repeats < 1 or cfg.num_prompts < 1
+            or cfg.min_waves < 1):
+        raise ValueError("--k, --concurrency, --repeats, --num-prompts and --min-waves must be >= 1")
     if not 0 <= cfg.prune_margin < 1:
         raise ValueError(f"--prune-margin must be in [0, 1), got {cfg.prune_margin}")
     if cfg.server_cmd and cfg.prune_margin:

@@ -73,7 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_csv(int), default=[1, 4], help="closed-loop concurrency levels (default 1,4)")
     p.add_argument("--segments", default="code,edit,chat",
                    help="workload segments, as `bench --dataset` (default code,edit,chat); each runs on its own")
-    p.add_argument("--num-prompts", type=int, default=4, help="requests per run (one segment, one concurrency; default 4)")
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="requests per run (one segment, one concurrency; default 4), raised to --min-waves x "
+                        "the run's concurrency")
+    p.add_argument("--min-waves", type=int, default=1,
+                   help="each run sends at least this many requests per concurrent stream (default 1: a run at "
+                        "concurrency 8 sends 8 requests, not 4; 2 steadies the runs at concurrency > 1)")
     p.add_argument("--max-tokens", type=int, default=64, help="cap on each request's max_tokens (default 64)")
     p.add_argument("--max-prompt-chars", type=int, default=1500, help="longest chat prompt taken (default 1500)")
     p.add_argument("--repeats", type=int, default=2, help="repeats; each draws fresh prompts (default 2)")
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         base_url=args.base_url, admin_token=args.admin_token, server_cmd=args.server_cmd,
         server_timeout_s=args.server_timeout, model=args.model, methods=args.methods, ks=args.k,
         adaptive=not args.no_adaptive, method_options=args.method_options, concurrency=args.concurrency,
-        segments=parse_dataset_arg(args.segments), num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+        segments=parse_dataset_arg(args.segments), num_prompts=args.num_prompts, min_waves=args.min_waves,
+        max_tokens=args.max_tokens,
         max_prompt_chars=args.max_prompt_chars, repeats=args.repeats, seed=args.seed, warmup=args.warmup,
         min_noise=args.min_noise, prune_margin=args.prune_margin, timeout_s=args.timeout, progress=not args.no_progress,
         interleave=not args.no_interleave)

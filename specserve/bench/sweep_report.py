@@ -176,7 +176,8 @@ td:first-child,th:first-child{{text-align:left}}.note{{color:#555;font-size:13px
 <p>{where}, started {html.escape(result['started'])}, {result['wall_s']:.0f} s. Methods {html.escape(', '.join(c['methods']))},
 k {html.escape(', '.join(map(str, c['ks'])))}{' and adaptive' if c['adaptive'] else ''}; concurrency
 {html.escape(', '.join(map(str, c['concurrency'])))}; segments {html.escape(', '.join(c['segments']))};
-{c['num_prompts']} greedy requests per run (max_tokens {c['max_tokens']}), {c['repeats']} repeat(s), profile order rotated.</p>
+{c['num_prompts']} greedy requests per run, at least {c.get('min_waves', 1)} per concurrent stream (max_tokens
+{c['max_tokens']}), {c['repeats']} repeat(s), profile order rotated.</p>
 <p class="note">Speedup = baseline TPOT / profile TPOT, token-weighted, each against the baseline of the same repeat;
 median over repeats, [min-max] = spread. Recommended = the smallest k among the profiles within the noise of the
 best median (noise band = the largest relative half-range (max - min) / 2 / median of the (segment, concurrency)'s profiles, at least

@@ -5,6 +5,8 @@ rotated by one per round), and a profile's metrics are those of its rounds toget
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from specserve.bench import sweep
 
 
@@ -46,3 +48,21 @@ def test_profiles_take_turns_per_round_and_their_rounds_are_summed(monkeypatch):
     assert out["a"]["records"] == ["a:1", "a:2", "a:3", "a:4", "a:5"] and out["a"]["wall"] == 2.5
     assert out["b"]["prime_failed"] == 3 and out["base"]["prime_failed"] == 0
     assert bar.n == 15
+
+
+def test_requests_per_run_is_at_least_min_waves_per_stream(monkeypatch, tmp_path):
+    """A run sends --num-prompts requests, raised to --min-waves x its concurrency: at concurrency 8 with 4
+    prompts it would otherwise never reach 8 streams. samples_for draws that many, and the progress total
+    counts them."""
+    cfg = sweep.SweepConfig(num_prompts=4, concurrency=[1, 4, 8], segments=["code"], repeats=2)
+    assert [sweep.requests_per_run(cfg, c) for c in (1, 4, 8)] == [4, 4, 8]
+    cfg.min_waves = 2
+    assert [sweep.requests_per_run(cfg, c) for c in (1, 4, 8)] == [4, 8, 16]
+    asked = []
+    monkeypatch.setattr(sweep.datasets, "load_samples",
+                        lambda seg, n, seed, mt, mc: (asked.append(n) or [SimpleNamespace(max_tokens=99)] * n, []))
+    assert len(sweep.samples_for(cfg, "code", 0, 4)) == 8 and asked == [8]
+    assert sweep._total_requests(cfg, 3) == 2 * 3 * (4 + 8 + 16)
+    cfg.min_waves, cfg.base_url = 0, "http://127.0.0.1:9/v1"
+    with pytest.raises(ValueError, match="--min-waves"):
+        sweep.run_sweep(cfg, tmp_path)
