@@ -43,6 +43,17 @@ class GcPauses:
             self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._t0)
 
 
+def _adaptive_state(eng) -> dict | None:
+    """The adaptive schedule's carried state: the fitted step overheads (ms), and per draft model its
+    chain scale and probe interval (decisions)."""
+    a = eng.adaptive
+    if a is None:
+        return None
+    return {"overhead_ms": round(a.step_cost.overhead_ms, 3), "draft_overhead_ms": round(a.step_cost.draft_overhead_ms, 4),
+            "chain_scale": [round(a.chain_scale(k), 3) for k in list(a._chain_ratios)],
+            "probe_every": [a._probe_every[k] for k in list(a._probe_every)]}
+
+
 def main() -> None:
     from specserve import LLM
     from specserve.engine import draft_length
@@ -73,6 +84,7 @@ def main() -> None:
             c = cfgs[n]
             if c is not None and c.method == "suffix":
                 eng.set_proposer(c, make_proposer(c, eng.proposer_context))
+            start = _adaptive_state(eng)  # what the schedule starts this run from (the runs before shaped it)
             pauses = GcPauses()
             gc.callbacks.append(pauses)
             feed_batch = draft_length.FEED_BATCH
@@ -88,7 +100,8 @@ def main() -> None:
                 cm = eng.adaptive.step_cost
                 out["adaptive"] = {"chosen_k": list(eng.adaptive.chosen_k.get(c, [])),
                                    "overhead_ms": round(cm.overhead_ms, 3),
-                                   "draft_overhead_ms": round(cm.draft_overhead_ms, 4)}
+                                   "draft_overhead_ms": round(cm.draft_overhead_ms, 4),
+                                   "at_start": start, "at_end": _adaptive_state(eng)}
             return out
 
         out = res["models"][target] = {}
