@@ -145,7 +145,7 @@ def replay(samples: list[dict], args) -> dict:
             for (i, (_, k)), p in zip(live, got):
                 props[i] = Proposal(list(p.token_ids[:k]))
         host_py = 1000 * (time.perf_counter() - t0) * args.py_scale
-        decide = ad.take_decide_ms() if cfg is not None and cfg.adaptive else 0.0
+        decide = ad.take_drafting_ms() if cfg is not None and cfg.adaptive else 0.0
         drafts = sum(len(p.token_ids) for p in props)
         committed = 0
         for r, p in zip(list(running), props):

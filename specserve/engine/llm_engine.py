@@ -45,14 +45,17 @@ logger = logging.getLogger(__name__)
 GC_GEN0_THRESHOLD_CUDA = 50_000  # allocations between young collections on CUDA (Python's default: 700)
 
 
-def step_overhead_ms(cost: StepCostModel, plan: StepPlan, wall_ms: float, forward_ms: float, decide_ms: float,
+def step_overhead_ms(cost: StepCostModel, plan: StepPlan, wall_ms: float, forward_ms: float, drafting_ms: float,
                      cuda: bool, prefill: bool = False) -> float | None:
     """A step's time outside the forward (ms) for the step-cost model's online overhead fit, or None
     for a step that must not be fitted. `wall_ms`: the whole step; `forward_ms`: the time the forward
-    call took on the host; `decide_ms`: the adaptive decision's own time in it (amortised by its rest
-    steps, not a cost of the drafts); `prefill`: the step held a sequence of more new tokens than a decode
-    graph takes (`CudaGraphRunner.last_step_long`: a prompt chunk, replayed in a prefill graph or run
-    eagerly). On a CPU the forward's time is measured (`forward_ms`). On CUDA the launch returns at once
+    call took on the host; `drafting_ms`: the drafting in it (`AdaptiveK.take_drafting_ms`: the adaptive
+    decision, amortised by its rest steps and priced as `draft_decide_ms`, and the proposals for
+    requests of configured k, a static draft model's chain among them: fitted, it made the 1.5b's plain
+    steps look 3.8 ms dearer at the start of every adaptive run that followed a static draft model's at
+    16 concurrent on the H200; docs/gpu-notes.md, Session 18); `prefill`: the step held a sequence of
+    more new tokens than a decode graph takes (`CudaGraphRunner.last_step_long`: a prompt chunk,
+    replayed in a prefill graph or run eagerly). On a CPU the forward's time is measured (`forward_ms`). On CUDA the launch returns at once
     and the GPU's time sits in the verify's device-to-host copy, so the forward's time is the modelled
     one, which the table gives for the shapes its grid measured (decode and verify rows); a prefill step
     is not fitted: its wall time less the modelled forward is not host overhead. At 16 concurrent
@@ -60,10 +63,10 @@ def step_overhead_ms(cost: StepCostModel, plan: StepPlan, wall_ms: float, forwar
     drafting steps that took 12.1, which such steps folded into the fitted per-step overhead would explain
     (the fit was not logged per decision; docs/gpu-notes.md, Session 17)."""
     if not cuda:
-        return max(wall_ms - forward_ms - decide_ms, 0.0)
+        return max(wall_ms - forward_ms - drafting_ms, 0.0)
     if prefill:
         return None
-    return max(wall_ms - cost.forward_ms(plan.num_tokens, len(plan.scheduled)) - decide_ms, 0.0)
+    return max(wall_ms - cost.forward_ms(plan.num_tokens, len(plan.scheduled)) - drafting_ms, 0.0)
 
 
 class _UseEngineDefault:
@@ -415,9 +418,9 @@ class LLMEngine:
         if self.adaptive is not None:
             cm = self.adaptive.step_cost
             wall_ms = 1000 * (time.perf_counter() - t_step)
-            # the adaptive decision's own time is amortised by its rest steps, not a cost of the drafts
-            # eager: the forward left the CUDA graphs, a shape the step-cost table does not model
-            over = step_overhead_ms(cm, plan, wall_ms, 1000 * t_fwd, self.adaptive.take_decide_ms(),
+            # drafting (the adaptive decision, amortised by its rest steps, and other configs' proposers) is
+            # not per-step overhead; a prefill step's forward is a shape the step-cost table does not model
+            over = step_overhead_ms(cm, plan, wall_ms, 1000 * t_fwd, self.adaptive.take_drafting_ms(),
                                     self.device.type == "cuda", getattr(self.target.runner, "last_step_long", False))
             if over is not None:
                 cm.observe_overhead(over, plan.num_draft_tokens)

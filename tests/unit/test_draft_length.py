@@ -869,3 +869,30 @@ def test_gather_feeds_holds_back_only_requests_behind_that_would_draft_beside_re
     many = {"steady": 1, **{f"n{i}": 300 for i in range(FEED_BATCH)}}
     assert gather([1] * len(many), many) == [1] * len(many)  # FEED_BATCH behind: fed together
     assert gather([1] * len(many), many, second={"d"}) == [1] + [0] * FEED_BATCH  # a scale probe's second decision
+
+
+def test_drafting_time_of_configured_k_is_left_out_of_the_overhead_fit(monkeypatch):
+    """`take_drafting_ms` covers the proposals for requests of configured k (a static draft model's chain)
+    as well as the adaptive decision, so the engine's overhead fit does not take them for per-step host
+    work: on the H200 a static draft model's ~4 ms chains, fitted, priced the next adaptive run's plain
+    steps 3.8 ms too high. With only static requests in the step, all of its proposing time is drafting."""
+    clock = fake_time(monkeypatch)
+    static = SpeculativeConfig("draft_model", 3, model="m")
+    adaptive = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
+    slow = Scripted([5] * 3, delay_ms=4.0, clock=clock)
+    fast = Scripted([7] * 4, delay_ms=0.5, clock=clock)
+    ad = AdaptiveK(FLAT, lambda c: slow if c is static else fast)
+    a, b = req("s", static), req("f", adaptive)
+    ad.add_request(a)
+    ad.add_request(b)
+    ad.take_drafting_ms()
+    (pa,) = ad.draft([(a, 3)], lambda asks: slow.propose(
+        [ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.seed) for r, k in asks]),
+        num_other_tokens=0, num_other_seqs=0)
+    assert pa.token_ids == [5, 5, 5] and ad.take_drafting_ms() == pytest.approx(4.0)
+    props = ad.draft([(a, 3), (b, 4)], lambda asks: (slow if asks[0][0] is a else fast).propose(
+        [ProposalInput(r.request_id, r.all_token_ids, r.num_prompt_tokens, k, r.params, r.seed) for r, k in asks]),
+        num_other_tokens=0, num_other_seqs=0)
+    assert props[0].token_ids == [5, 5, 5]
+    assert ad.take_drafting_ms() == pytest.approx(4.0 + 0.5)  # the static chain and the adaptive proposing
+    assert ad.take_drafting_ms() == 0.0  # taken: reset
