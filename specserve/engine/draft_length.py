@@ -22,9 +22,10 @@ requests proposing, tracking and choosing took about as long as the step itself)
 plain decodes for the adaptive requests without proposing or choosing, as many as keep that cost
 below REST_SHARE of the time (at most MAX_REST_STEPS, ~80 ms on the H200 at 16 concurrent requests;
 a request that joins meanwhile is decided for when the rest ends). On a CPU, where a step is ~100x the
-decision, this never rests. The decision's own time is reported to the engine (`take_decide_ms`), which
+decision, this never rests. The decision's own time is reported to the engine (`take_drafting_ms`), which
 leaves it out of the step overhead it fits against the draft tokens (the decision happens in the steps
-that may draft, so it would otherwise be priced as a cost of the drafts themselves).
+that may draft, so it would otherwise be priced as a cost of the drafts themselves), and so is the
+proposing for requests of configured k (a static draft model's chain is no host cost of every step).
 Drafting is charged for the decision itself too: the measured time of decisions that proposed
 (`draft_decide_ms`) is added to the cost of every choice with drafts (`speculate_ms`), not to k = 0 for
 everyone, since steps that do not speculate can rest without deciding. On the H200 at 16 concurrent a

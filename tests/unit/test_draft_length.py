@@ -184,7 +184,7 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
         commit(ad, r, [4])
     assert len(prop.calls) < 30 and 0 < ad.rest_steps <= MAX_REST_STEPS
     assert sum(ad.chosen_k[cfg]) == 60  # every step counted, the plain ones as k = 0
-    assert ad.take_decide_ms() >= 0.5 * len(prop.calls) and ad.take_decide_ms() == 0.0
+    assert ad.take_drafting_ms() >= 0.5 * len(prop.calls) and ad.take_drafting_ms() == 0.0
     joined = req("b", cfg)
     ad.add_request(joined)
     n = len(prop.calls)
