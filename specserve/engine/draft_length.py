@@ -303,6 +303,7 @@ class AdaptiveK(ConfiguredK):
         """
         out: list[Proposal] = [Proposal([])] * len(asks)
         fixed = [i for i, (r, _) in enumerate(asks) if not r.spec_config.adaptive]
+        fixed_ms = 0.0  # their proposing time: the whole step waits for it, whatever the adaptive ones draft
         if fixed:  # configured k: drafted as they are; they are part of the step the others wait for
             t0 = time.perf_counter()
             for i, p in zip(fixed, propose([asks[i] for i in fixed])):
@@ -311,7 +312,8 @@ class AdaptiveK(ConfiguredK):
                 num_other_seqs += 1
             # not host overhead of every step: a static draft model's chain (~4 ms at 16 concurrent on the
             # H200) fitted as such priced the next adaptive run's plain steps 3.8 ms too high
-            self._drafting_ms_step += 1000 * (time.perf_counter() - t0)
+            fixed_ms = 1000 * (time.perf_counter() - t0)
+            self._drafting_ms_step += fixed_ms
         idx = [i for i, (r, _) in enumerate(asks) if r.spec_config.adaptive]
         if not idx:
             return out
@@ -337,7 +339,8 @@ class AdaptiveK(ConfiguredK):
             return out
         self.hold_steps = 0  # over, or every request held with drafts has left: decide
         t0 = time.perf_counter()
-        props, proposed, chain_ms_step = self._adaptive(mine, propose, num_other_tokens, num_other_seqs)
+        props, proposed, chain_ms_step = self._adaptive(mine, propose, num_other_tokens, num_other_seqs,
+                                                             fixed_ms)
         ms = 1000 * (time.perf_counter() - t0)
         host = ms - chain_ms_step  # a draft chain is priced by chain_scale, not as deciding
         self.decide_ms = host if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * host
@@ -454,10 +457,12 @@ class AdaptiveK(ConfiguredK):
         counts[k] += n
 
     def _adaptive(self, asks: Sequence[tuple[Request, int]], propose: ProposeFn, other_tokens: int,
-                  other_seqs: int) -> tuple[list[Proposal], int, float]:
+                  other_seqs: int, fixed_ms: float = 0.0) -> tuple[list[Proposal], int, float]:
         """The decision for the adaptive asks: their proposals cut to the chosen k, and how many requests
         were proposed for (a free proposer called, or a draft model drafting k > 0; if any, the decision's
-        time less the draft chains' counts as the price of drafting), and the draft chains' wall ms."""
+        time less the draft chains' counts as the price of drafting), and the draft chains' wall ms.
+        `fixed_ms` is this step's proposing for requests of configured k (ms): every option's step pays
+        it, so it is added to the step time the choice divides by (it is left out of the overhead fit)."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         by_config: dict[Any, list[int]] = defaultdict(list)
@@ -509,8 +514,11 @@ class AdaptiveK(ConfiguredK):
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=draft_forward_ms(cost, scale)))
 
+        cm = self.step_cost
+        step_ms = cm.step_ms if not fixed_ms else (lambda t, n: cm.step_ms(t, n) + fixed_ms)
+
         def choose(opts: list[DraftOption]) -> Choice:
-            return choose_draft_lengths(opts, self.step_cost.step_ms, num_other_tokens=other_tokens,
+            return choose_draft_lengths(opts, step_ms, num_other_tokens=other_tokens,
                                         num_other_seqs=other_seqs, objective=self.objective, min_gain=self.min_gain,
                                         draft_token_ms=self.step_cost.draft_overhead_ms,
                                         speculate_ms=self.drafting_step_ms)

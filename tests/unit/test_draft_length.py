@@ -875,7 +875,8 @@ def test_drafting_time_of_configured_k_is_left_out_of_the_overhead_fit(monkeypat
     """`take_drafting_ms` covers the proposals for requests of configured k (a static draft model's chain)
     as well as the adaptive decision, so the engine's overhead fit does not take them for per-step host
     work: on the H200 a static draft model's ~4 ms chains, fitted, priced the next adaptive run's plain
-    steps 3.8 ms too high. With only static requests in the step, all of its proposing time is drafting."""
+    steps 3.8 ms too high. With only static requests in the step, all of its proposing time is drafting.
+    The step's own static proposing is priced into the adaptive choice instead (every option pays it)."""
     clock = fake_time(monkeypatch)
     static = SpeculativeConfig("draft_model", 3, model="m")
     adaptive = SpeculativeConfig("ngram", 4, num_speculative_tokens_schedule="adaptive")
@@ -896,3 +897,7 @@ def test_drafting_time_of_configured_k_is_left_out_of_the_overhead_fit(monkeypat
     assert props[0].token_ids == [5, 5, 5]
     assert ad.take_drafting_ms() == pytest.approx(4.0 + 0.5)  # the static chain and the adaptive proposing
     assert ad.take_drafting_ms() == 0.0  # taken: reset
+    # the choice prices this step's static chain into every option: its expected step time holds the 4 ms
+    choice = ad.last_choice
+    plain = FLAT.step_ms(2 + sum(choice.ks), 2) + FLAT.draft_overhead_ms * sum(choice.ks)
+    assert choice.step_ms >= plain + 4.0 - 1e-9
