@@ -50,10 +50,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=8,
                     help="requests per run (default 8; the sweep's default is 4: with 4, code c=1 and c=4 each "
-                         "moved its pick between re-runs once, docs/adaptive-speculation.md)")
+                         "moved its pick between re-runs once, README 'specserve sweep' section)")
     ap.add_argument("--min-waves", type=int, default=2,
                     help="requests per concurrent stream at least (the sweep's default is 1; 2 gives the c = 4 "
-                         "runs 8 requests, where with 4 the code segment's pick moved between re-runs)")
+                         "runs 8 requests, where with 4 the code segment's pick moved between re-runs; with the "
+                         "default 8 prompts it changes nothing, 8 >= 2 x 4)")
     ap.add_argument("--max-tokens", type=int, default=64, help="the sweep's default")
     ap.add_argument("--repeats", type=int, default=2, help="repeats per (segment, concurrency) in each sweep")
     ap.add_argument("--prune-margin", type=float, default=0.0,

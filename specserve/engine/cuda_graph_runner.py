@@ -48,10 +48,9 @@ class CudaGraphRunner:
 
     Attributes:
         capture_seconds: time the start-up capture took; num_graph_steps / num_eager_steps: counters;
-        last_step_eager: the last step ran eagerly although graphs were captured (a shape no bucket
-        holds, e.g. a prefill chunk over `prefill_tokens`); last_step_long: the last step held a sequence
-        of more than `max_qlen` new tokens (a prefill chunk, eager or not). The step-cost table models
-        neither (`llm_engine.step_overhead_ms`).
+        last_step_long: the last step held a sequence of more than `max_qlen` (`short_qlen`) new tokens
+        (a prefill chunk, replayed in a prefill graph or eager); the step-cost table does not model such
+        steps (`llm_engine.step_overhead_ms`).
     """
 
     def __init__(self, model: CausalLM, kv: KVCache, device: torch.device, max_num_seqs: int,
@@ -74,7 +73,6 @@ class CudaGraphRunner:
         self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
         self.num_graph_steps = 0
         self.num_eager_steps = 0
-        self.last_step_eager = False
         self.last_step_long = False
         self.capture_seconds = 0.0
         if cuda_graphs:
@@ -90,13 +88,11 @@ class CudaGraphRunner:
     def graph_max_tokens(self) -> int | None:
         """The most tokens of a graph step that holds a sequence of `graph_max_qlen` new tokens (the
         largest prefill bucket, or decode bucket without them); None when no graphs were captured."""
-        if not self._graphs:
-            return None
-        return max(b.num_tokens for b in self.buckets.buckets if b.max_qlen == self.buckets.max_qlen)
+        return self.buckets.max_tokens_at_max_qlen if self._graphs else None
 
     def fits_graph(self, qlens: list[int]) -> bool:
         """Whether a step whose sequences have `qlens` new tokens each would replay a graph."""
-        return bool(self._graphs) and self.buckets.pick(len(qlens), sum(qlens), max(qlens)) is not None
+        return bool(self._graphs) and self.buckets.fits(qlens)
 
     def _static_step(self, b: Bucket) -> StepTensors:
         f = lambda name, n: self.layout.field(self._dev, name, n)  # noqa: E731
@@ -164,7 +160,6 @@ class CudaGraphRunner:
         qlens = [len(t) for t in token_ids]
         qmax, T, B = max(qlens), sum(qlens), len(slots)
         bucket = self.buckets.pick(B, T, qmax) if self._graphs else None
-        self.last_step_eager = bucket is None and bool(self._graphs)
         self.last_step_long = qmax > self.short_qlen
         if bucket is not None:
             self._flip ^= 1  # two host buffers: never refill one whose copy may still be in flight

@@ -82,11 +82,13 @@ version held back requests more than 2 tokens behind). On a CPU there are no gra
 time follows its tokens: nothing is gathered (`graph_max_feed` is None).
 Since session 18 the runner captures prefill graphs (a sequence of up to 512 new tokens) and the draft
 feeds a longer catch-up ahead of its chain in up to 4 such graph forwards
-(`DraftModelProposer._feed_ahead`), so a feed costs what its tokens cost up to 5 x 512 tokens per
-request (`graph_max_feed`); only feeds beyond that (none in the c16 workload, whose longest prompt has
-1327 tokens) still leave the graphs and are gathered. At 16 concurrent requests on the H200 a feeding
-chain then took a median 6.3 ms against 5.1 ms for a steady one (was 21.8 against 6.5), and the static
-draft model went from 0.98-1.01x to 1.11-1.13x of the baseline (docs/gpu-notes.md, Session 18).
+(`DraftModelProposer._feed_ahead`, 512 tokens in all per forward), so one request alone feeds up to
+5 x 512 tokens in graphs (`graph_max_feed`); only a feed beyond that (none in the c16 workload, whose
+longest prompt has 1327 tokens) is held back and gathered. The threshold is per request: several long
+feeds in one step share the 4 x 512 tokens fed ahead, and what is left can still make the chain's first
+forward eager; that is not gathered. At 16 concurrent requests on the H200 a feeding chain then took a
+median 6.3 ms against 5.1 ms for a steady one in run A (was 21.8 against 6.5), and the static draft
+model went from 0.98-1.01x to 1.11-1.14x of the baseline in three runs (docs/gpu-notes.md, Session 18).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
@@ -470,7 +472,9 @@ class AdaptiveK(ConfiguredK):
             by_config[r.spec_config].append(i)
         for cfg, group in by_config.items():
             (costly if hasattr(self.proposer_of(cfg), "draft_step_cost") else free)[proposer_key(cfg)].extend(group)
-        skip = self._hopeless(asks, free, other_tokens, other_seqs)
+        cm = self.step_cost
+        step_ms = cm.step_ms if not fixed_ms else (lambda t, n: cm.step_ms(t, n) + fixed_ms)
+        skip = self._hopeless(asks, free, other_tokens, other_seqs, step_ms)
         full: dict[int, Proposal] = {i: Proposal([]) for i in skip}
         for key, all_idx in free.items():
             idx = [i for i in all_idx if i not in skip]
@@ -513,9 +517,6 @@ class AdaptiveK(ConfiguredK):
                 chosen.append(i)
                 options.append(DraftOption(self.tracker.estimates(r.request_id, cap), draft_group=key,
                                            draft_cost_ms=draft_forward_ms(cost, scale)))
-
-        cm = self.step_cost
-        step_ms = cm.step_ms if not fixed_ms else (lambda t, n: cm.step_ms(t, n) + fixed_ms)
 
         def choose(opts: list[DraftOption]) -> Choice:
             return choose_draft_lengths(opts, step_ms, num_other_tokens=other_tokens,
@@ -682,17 +683,20 @@ class AdaptiveK(ConfiguredK):
                 ks[pick] = 1
         return choice if ks == list(choice.ks) else Choice(ks, choice.value, choice.step_ms, choice.expected_tokens)
 
-    def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int) -> set[int]:
+    def _hopeless(self, asks, free: dict[Any, list[int]], other_tokens: int, other_seqs: int,
+                  step_ms: Callable[[int, int], float]) -> set[int]:
         """Requests of free proposers that should not even draft this step: when drafting costs time that
         matters (at least COSTLY_SHARE of the step per request, as on a fast GPU), a request for which
         k = 0 is chosen even with the most optimistic estimates its history allows (no confidence signal,
         the cap's full length) skips the proposer. An explorer still drafts every PROBE_EVERY-th step, so
         that its estimates can learn (`_skipped` counts the steps in a row); any other such request is
-        retired (no proposer work until a later decision un-retires it, see the module docstring)."""
+        retired (no proposer work until a later decision un-retires it, see the module docstring).
+        `step_ms(tokens, seqs)` prices a step as the choice does (the step cost, plus any proposing for
+        requests of configured k)."""
         idx = [i for group in free.values() for i in group]
         if not idx:
             return set()
-        step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
+        step = step_ms(other_tokens + len(asks), other_seqs + len(asks))
         self._decisions += 1
         remeasure = self._decisions % RECHECK_EVERY == 0  # a check found dearer than proposing is timed again now and then
         costly_keys = {k for k, group in free.items()
@@ -706,7 +710,7 @@ class AdaptiveK(ConfiguredK):
         if not idx:
             return set()
         t0 = time.perf_counter()
-        out = self._check_hopeless(asks, idx, other_tokens, other_seqs)
+        out = self._check_hopeless(asks, idx, other_tokens, other_seqs, step_ms)
         per = 1000 * (time.perf_counter() - t0) / len(idx)
         for k in costly_keys:
             samples = self._check_samples[k]
@@ -714,7 +718,8 @@ class AdaptiveK(ConfiguredK):
             self.check_ms[k] = statistics.median(samples)
         return out
 
-    def _check_hopeless(self, asks, idx: list[int], other_tokens: int, other_seqs: int) -> set[int]:
+    def _check_hopeless(self, asks, idx: list[int], other_tokens: int, other_seqs: int,
+                        step_ms: Callable[[int, int], float]) -> set[int]:
         """`_hopeless` for the requests `idx` of costly proposers: age, re-check, retire or skip."""
         for i in idx:  # a retired request's own evidence ages at every re-check (towards the prior)
             r = asks[i][0]
@@ -729,7 +734,7 @@ class AdaptiveK(ConfiguredK):
         options = [DraftOption(self.tracker.estimates(asks[i][0].request_id, self._optimistic_k(asks[i][0], asks[i][1])))
                    for i in idx]
         # proposing for all of them costs each one's share of a drafting decision (measured), as it would
-        pre = choose_draft_lengths(options, self.step_cost.step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
+        pre = choose_draft_lengths(options, step_ms, num_other_tokens=other_tokens + len(asks) - len(idx),
                                    num_other_seqs=other_seqs + len(asks) - len(idx), objective=self.objective,
                                    draft_token_ms=self.step_cost.draft_overhead_ms,
                                    speculate_ms=self.drafting_ms_per_request * len(idx))

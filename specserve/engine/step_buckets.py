@@ -74,6 +74,16 @@ class BucketSet:
         self.max_tokens = max((b.num_tokens for b in self.buckets), default=0)
         self.max_seqs = max((b.num_seqs for b in self.buckets), default=0)
 
+    @property
+    def max_tokens_at_max_qlen(self) -> int:
+        """The most tokens of a bucket that holds a sequence of `max_qlen` new tokens (the largest
+        prefill bucket, or decode bucket where there are none); 0 without buckets."""
+        return max((b.num_tokens for b in self.buckets if b.max_qlen == self.max_qlen), default=0)
+
+    def fits(self, qlens: Sequence[int]) -> bool:
+        """Whether a step whose sequences have `qlens` new tokens each (non-empty) is held by a bucket."""
+        return self.pick(len(qlens), sum(qlens), max(qlens)) is not None
+
     def pick(self, num_seqs: int, num_tokens: int, max_qlen: int) -> Bucket | None:
         """The bucket with the fewest tokens (then fewest sequences, then the decode one) that holds the
         step, or None when the step is outside every bucket (too many tokens or sequences, or a sequence

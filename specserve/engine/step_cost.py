@@ -343,8 +343,9 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
             return ms
 
         t0 = time.perf_counter()
-        # on CUDA, decode and verify steps replay graphs bucketed by (sequences, tokens per sequence)
-        max_qlen = getattr(getattr(runner, "buckets", None), "max_qlen", 16)
+        # on CUDA, decode and verify steps replay graphs bucketed by (sequences, tokens per sequence); the
+        # table models those shapes, not the prefill buckets' longer sequences
+        max_qlen = getattr(runner, "short_qlen", 16)
         cm = measure(run_forward, token_grid(max_tokens), seq_grid(len(slots)), repeats, target_s,
                      qlens=qlen_grid(min(max_qlen, max_tokens)) if cuda else ())
     finally:

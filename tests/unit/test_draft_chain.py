@@ -91,11 +91,11 @@ class _GraphShapedRunner:
 
         self.inner, self.kv = inner, inner.kv
         self.buckets = BucketSet(8, max_qlen=2, max_tokens=8, prefill_tokens=tokens, prefill_sizes=(tokens,))
-        self.graph_max_qlen, self.graph_max_tokens = self.buckets.max_qlen, self.buckets.max_tokens
+        self.graph_max_qlen, self.graph_max_tokens = self.buckets.max_qlen, self.buckets.max_tokens_at_max_qlen
         self.calls: list[tuple[list[int], bool]] = []
 
     def fits_graph(self, qlens):
-        return self.buckets.pick(len(qlens), sum(qlens), max(qlens)) is not None
+        return self.buckets.fits(qlens)
 
     def run(self, slots, starts, token_ids, num_logits, device_ids=None):
         qlens = [len(t) for t in token_ids]

@@ -53,6 +53,14 @@ def test_prefill_buckets_take_long_sequences_beside_short_ones():
     for b in bs.buckets:
         assert b.num_seqs <= b.num_tokens and (b.max_qlen == 16 or b.max_qlen == b.num_tokens)
     assert BucketSet(max_num_seqs=16, max_qlen=16, max_tokens=256).max_qlen == 16  # prefill_tokens 0: none
+    # fits: the same rule by per-sequence lengths; max_tokens_at_max_qlen: the largest bucket that takes a
+    # sequence of max_qlen (what a draft may feed in one graph forward)
+    assert bs.fits([300]) and bs.fits([1] * 15 + [200]) and not bs.fits([513]) and not bs.fits([500, 20])
+    assert bs.max_tokens_at_max_qlen == 512
+    decode_only = BucketSet(max_num_seqs=4, max_qlen=4, max_tokens=8)
+    assert decode_only.max_qlen == 4 and decode_only.max_tokens_at_max_qlen == 8 and not decode_only.fits([5])
+    assert BucketSet(max_num_seqs=2, max_qlen=2, max_tokens=8, prefill_tokens=12,
+                     prefill_sizes=(6, 12)).max_tokens_at_max_qlen == 12
 
 
 def test_pack_step_pads_tokens_and_sequences():
