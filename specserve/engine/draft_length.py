@@ -86,7 +86,8 @@ feeds a longer catch-up ahead of its chain in up to 4 such graph forwards
 5 x 512 tokens in graphs (`graph_max_feed`); only a feed beyond that (none in the c16 workload, whose
 longest prompt has 1327 tokens) is held back and gathered. The threshold is per request: several long
 feeds in one step share the 4 x 512 tokens fed ahead, and what is left can still make the chain's first
-forward eager; that is not gathered. At 16 concurrent requests on the H200 a feeding chain then took a
+forward eager; that is not gathered. Nor are requests in step with the draft counted: their 1-2
+tokens share that first forward, so a feed within a few tokens of the threshold can still run eagerly. At 16 concurrent requests on the H200 a feeding chain then took a
 median 6.3 ms against 5.1 ms for a steady one in run A (was 21.8 against 6.5), and the static draft
 model went from 0.98-1.01x to 1.11-1.14x of the baseline in three runs (docs/gpu-notes.md, Session 18).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
@@ -305,17 +306,22 @@ class AdaptiveK(ConfiguredK):
         """
         out: list[Proposal] = [Proposal([])] * len(asks)
         fixed = [i for i, (r, _) in enumerate(asks) if not r.spec_config.adaptive]
-        fixed_ms = 0.0  # their proposing time: the whole step waits for it, whatever the adaptive ones draft
+        # their proposing time and their drafts' host overhead (ms): the whole step waits for both, whatever
+        # the adaptive requests draft, so every option's step time holds them (`_adaptive`)
+        fixed_ms = 0.0
         if fixed:  # configured k: drafted as they are; they are part of the step the others wait for
             t0 = time.perf_counter()
+            static_drafts = 0
             for i, p in zip(fixed, propose([asks[i] for i in fixed])):
                 out[i] = p
+                static_drafts += min(len(p.token_ids), asks[i][1])
                 num_other_tokens += 1 + min(len(p.token_ids), asks[i][1])
                 num_other_seqs += 1
             # not host overhead of every step: a static draft model's chain (~4 ms at 16 concurrent on the
             # H200) fitted as such priced the next adaptive run's plain steps 3.8 ms too high
-            fixed_ms = 1000 * (time.perf_counter() - t0)
-            self._drafting_ms_step += fixed_ms
+            proposing_ms = 1000 * (time.perf_counter() - t0)
+            self._drafting_ms_step += proposing_ms
+            fixed_ms = proposing_ms + self.step_cost.draft_overhead_ms * static_drafts
         idx = [i for i, (r, _) in enumerate(asks) if r.spec_config.adaptive]
         if not idx:
             return out
@@ -354,7 +360,7 @@ class AdaptiveK(ConfiguredK):
         self._drafting_ms_step += ms
         self.rest_steps = 0
         if not any(p.token_ids for p in props):
-            plain_ms = self.step_cost.step_ms(num_other_tokens + len(mine), num_other_seqs + len(mine))
+            plain_ms = self.step_cost.step_ms(num_other_tokens + len(mine), num_other_seqs + len(mine)) + fixed_ms
             self.rest_steps = min(MAX_REST_STEPS, int(self.decide_ms / max(REST_SHARE * plain_ms, 1e-9)))
         elif not any(hasattr(self.proposer_of(cfg), "draft_step_cost") for cfg in {r.spec_config for r, _ in mine}):
             # hold the chosen k for the next steps, as many as keep a decision (its EMA: one slow decision,
@@ -463,8 +469,11 @@ class AdaptiveK(ConfiguredK):
         """The decision for the adaptive asks: their proposals cut to the chosen k, and how many requests
         were proposed for (a free proposer called, or a draft model drafting k > 0; if any, the decision's
         time less the draft chains' counts as the price of drafting), and the draft chains' wall ms.
-        `fixed_ms` is this step's proposing for requests of configured k (ms): every option's step pays
-        it, so it is added to the step time the choice divides by (it is left out of the overhead fit)."""
+        `fixed_ms` is this step's proposing for requests of configured k and their drafts' host overhead
+        (ms): every option's step pays it, so it is added to the step time the choice and the retire
+        check price (it is left out of the overhead fit). The throughput objective still counts each
+        such request as one committed token (its expected accepted drafts are not estimated here), which
+        in a mixed step leans the choice towards drafting."""
         free: dict[Any, list[int]] = defaultdict(list)  # proposer key -> indices into asks
         costly: dict[Any, list[int]] = defaultdict(list)
         by_config: dict[Any, list[int]] = defaultdict(list)
@@ -691,12 +700,13 @@ class AdaptiveK(ConfiguredK):
         the cap's full length) skips the proposer. An explorer still drafts every PROBE_EVERY-th step, so
         that its estimates can learn (`_skipped` counts the steps in a row); any other such request is
         retired (no proposer work until a later decision un-retires it, see the module docstring).
-        `step_ms(tokens, seqs)` prices a step as the choice does (the step cost, plus any proposing for
-        requests of configured k)."""
+        `step_ms(tokens, seqs)` prices a step for the re-check as the choice does (the step cost, plus
+        any proposing for requests of configured k); whether drafting is costly at all is judged on the
+        step cost alone, so that one slow static chain does not un-retire everyone."""
         idx = [i for group in free.values() for i in group]
         if not idx:
             return set()
-        step = step_ms(other_tokens + len(asks), other_seqs + len(asks))
+        step = self.step_cost.step_ms(other_tokens + len(asks), other_seqs + len(asks))
         self._decisions += 1
         remeasure = self._decisions % RECHECK_EVERY == 0  # a check found dearer than proposing is timed again now and then
         costly_keys = {k for k, group in free.items()

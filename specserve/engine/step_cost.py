@@ -344,7 +344,8 @@ def measure_model(model: Any, *, max_tokens: int, max_seqs: int, context: int = 
 
         t0 = time.perf_counter()
         # on CUDA, decode and verify steps replay graphs bucketed by (sequences, tokens per sequence); the
-        # table models those shapes, not the prefill buckets' longer sequences
+        # qlen grid covers the decode buckets' sequences (up to short_qlen), not the prefill buckets' longer
+        # ones (the token grid's one-sequence points above short_qlen do replay prefill buckets)
         max_qlen = getattr(runner, "short_qlen", 16)
         cm = measure(run_forward, token_grid(max_tokens), seq_grid(len(slots)), repeats, target_s,
                      qlens=qlen_grid(min(max_qlen, max_tokens)) if cuda else ())

@@ -107,7 +107,8 @@ def test_hopeless_requests_skip_a_costly_proposer_but_probe(monkeypatch):
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)
     monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([9] * 8, delay_ms=5.0)  # 5 ms per request against a ~100 ms step: matters (>= 1%)
+    clock = fake_time(monkeypatch)  # timings exact: no flake under load
+    prop = Scripted([9] * 8, delay_ms=5.0, clock=clock)  # 5 ms per request against a ~100 ms step: matters (>= 1%)
     ad = AdaptiveK(FLAT, lambda c: prop)
     r = req("s", cfg)
     ad.add_request(r)
@@ -120,7 +121,7 @@ def test_hopeless_requests_skip_a_costly_proposer_but_probe(monkeypatch):
     tail = drafted[-4 * PROBE_EVERY:]
     assert sum(tail) == 4  # once hopeless: one probe every PROBE_EVERY steps
     # drafting that costs nothing (as on a CPU step of 100 ms) is never skipped
-    fast = Scripted([9] * 8)
+    fast = Scripted([9] * 8, clock=clock)
     ad2 = AdaptiveK(FLAT, lambda c: fast)
     r2 = req("t", cfg)
     ad2.add_request(r2)
@@ -165,7 +166,7 @@ def test_a_prior_from_long_drafts_does_not_keep_a_rejecting_request_speculating(
     assert len(prop.calls) == 16  # drafted every step (CPU: drafting is free), verified only when it paid
 
 
-def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
+def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins(monkeypatch):
     """A GPU-like step (1 ms) where drafting costs 0.5 ms per request and nothing is ever accepted: once
     the choice is k = 0 for everyone, the next steps are plain decodes without proposing or choosing
     (their number keeps the decision's cost near REST_SHARE of the time, at most MAX_REST_STEPS); a
@@ -175,7 +176,7 @@ def test_no_drafts_decided_at_a_noticeable_cost_rests_until_a_request_joins():
 
     gpu = StepCostModel(list(range(1, 17)), [1.0 + 0.001 * t for t in range(16)])
     cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([9] * 8, delay_ms=0.5)
+    prop = Scripted([9] * 8, delay_ms=0.5, clock=fake_time(monkeypatch))  # timings exact: no flake under load
     ad = AdaptiveK(gpu, lambda c: prop)
     r = req("a", cfg)
     ad.add_request(r)
@@ -216,8 +217,9 @@ def test_a_decision_dearer_than_its_gain_stops_drafting(monkeypatch):
     monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     gpu = StepCostModel(list(range(1, 17)), [1.0 + 0.001 * t for t in range(16)])
     cfg = SpeculativeConfig("ngram", 8, num_speculative_tokens_schedule="adaptive")
+    clock = fake_time(monkeypatch)  # timings exact: no flake under load
     for delay, drafts_later in ((2.0, False), (0.0, True)):
-        prop = Scripted([7] + [9] * 7, delay_ms=delay)
+        prop = Scripted([7] + [9] * 7, delay_ms=delay, clock=clock)
         ad = AdaptiveK(gpu, lambda c: prop)
         r = req("a", cfg)
         ad.add_request(r)
@@ -305,7 +307,7 @@ def test_one_slow_proposer_call_does_not_make_drafting_costly(monkeypatch):
     monkeypatch.setattr("specserve.engine.draft_length.REST_SHARE", 1e9)  # every step decides
     monkeypatch.setattr("specserve.engine.draft_length.HOLD_SHARE", 1e9)  # and no holds
     cfg = SpeculativeConfig("suffix", 8, num_speculative_tokens_schedule="adaptive")
-    prop = Scripted([9] * 8, delay_ms=20.0)
+    prop = Scripted([9] * 8, delay_ms=20.0, clock=fake_time(monkeypatch))  # timings exact
     ad = AdaptiveK(FLAT, lambda c: prop)
     rs = [req(f"q{i}", cfg) for i in range(3)]
     for r in rs:
@@ -898,6 +900,25 @@ def test_drafting_time_of_configured_k_is_left_out_of_the_overhead_fit(monkeypat
     assert ad.take_drafting_ms() == pytest.approx(4.0 + 0.5)  # the static chain and the adaptive proposing
     assert ad.take_drafting_ms() == 0.0  # taken: reset
     # the choice prices this step's static chain into every option: its expected step time holds the 4 ms
+    # (the step: the static request's 1 + 3 tokens, the adaptive one's 1 + k; no decision time measured yet)
     choice = ad.last_choice
-    plain = FLAT.step_ms(2 + sum(choice.ks), 2) + FLAT.draft_overhead_ms * sum(choice.ks)
-    assert choice.step_ms >= plain + 4.0 - 1e-9
+    k = sum(choice.ks)
+    assert choice.step_ms == pytest.approx(FLAT.step_ms(5 + k, 2) + FLAT.draft_overhead_ms * (3 + k) + 4.0)
+
+
+def test_retire_check_prices_the_static_proposing_of_the_step(monkeypatch):
+    """The re-check that retires requests prices a step as the choice does: beside a static request whose
+    proposing takes 5 s, the 0.1 ms per request of proposing for the retired ones is so small a share of
+    the step that drafting for them pays again even at their ~0.06% acceptance; beside a static request whose proposing is instant it
+    does not. Whether drafting counts as costly is still judged on the step cost alone."""
+    static = SpeculativeConfig("draft_model", 3, model="m")
+    for delay_ms, retired_after in ((0.0, True), (5000.0, False)):
+        cfg, prop, ad, rs = retired_batch(monkeypatch)
+        slow = Scripted([5] * 3, delay_ms=delay_ms, clock=prop.clock)
+        ad.proposer_of = lambda c, prop=prop, slow=slow: slow if c is static else prop
+        s = req("static", static)
+        ad.add_request(s)
+        before = ad.num_retired
+        ad.draft([(s, 3)] + [(r, 8) for r in rs], lambda asks, prop=prop, slow=slow: via(
+            slow if asks[0][0].spec_config is static else prop)(asks), num_other_tokens=0, num_other_seqs=0)
+        assert (ad.num_retired == before) == retired_after, delay_ms

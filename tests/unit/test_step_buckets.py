@@ -61,6 +61,8 @@ def test_prefill_buckets_take_long_sequences_beside_short_ones():
     assert decode_only.max_qlen == 4 and decode_only.max_tokens_at_max_qlen == 8 and not decode_only.fits([5])
     assert BucketSet(max_num_seqs=2, max_qlen=2, max_tokens=8, prefill_tokens=12,
                      prefill_sizes=(6, 12)).max_tokens_at_max_qlen == 12
+    wide = BucketSet(max_num_seqs=64, max_qlen=16, max_tokens=512, prefill_tokens=256)  # decode buckets larger
+    assert wide.max_tokens == 512 and wide.max_qlen == 256 and wide.max_tokens_at_max_qlen == 256
 
 
 def test_pack_step_pads_tokens_and_sequences():
