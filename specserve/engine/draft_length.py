@@ -87,9 +87,10 @@ feeds a longer catch-up ahead of its chain in up to 4 such graph forwards
 longest prompt has 1327 tokens) is held back and gathered. The threshold is per request: several long
 feeds in one step share the 4 x 512 tokens fed ahead, and what is left can still make the chain's first
 forward eager; that is not gathered. Nor are requests in step with the draft counted: their 1-2
-tokens share that first forward, so a feed within a few tokens of the threshold can still run eagerly. At 16 concurrent requests on the H200 a feeding chain then took a
-median 6.3 ms against 5.1 ms for a steady one in run A (was 21.8 against 6.5), and the static draft
-model went from 0.98-1.01x to 1.11-1.14x of the baseline in three runs (docs/gpu-notes.md, Session 18).
+tokens share that first forward, so a feed within a few tokens of the threshold can still run eagerly.
+At 16 concurrent requests on the H200 a feeding chain then took a median 6.3 ms against 5.1 ms for a
+steady one in run A (was 21.8 against 6.5), and the static draft model went from 0.98-1.01x to
+1.11-1.14x of the baseline in three runs (docs/gpu-notes.md, Session 18).
 After each commit (`observe`, every decode step, also those without drafts) the tracker matches pending
 drafts against the committed tokens.
 Drafting counts as costly (`_costly`) when one request's proposer call takes at least COSTLY_SHARE of
@@ -314,8 +315,9 @@ class AdaptiveK(ConfiguredK):
             static_drafts = 0
             for i, p in zip(fixed, propose([asks[i] for i in fixed])):
                 out[i] = p
-                static_drafts += min(len(p.token_ids), asks[i][1])
-                num_other_tokens += 1 + min(len(p.token_ids), asks[i][1])
+                n = min(len(p.token_ids), asks[i][1])
+                static_drafts += n
+                num_other_tokens += 1 + n
                 num_other_seqs += 1
             # not host overhead of every step: a static draft model's chain (~4 ms at 16 concurrent on the
             # H200) fitted as such priced the next adaptive run's plain steps 3.8 ms too high
@@ -347,8 +349,7 @@ class AdaptiveK(ConfiguredK):
             return out
         self.hold_steps = 0  # over, or every request held with drafts has left: decide
         t0 = time.perf_counter()
-        props, proposed, chain_ms_step = self._adaptive(mine, propose, num_other_tokens, num_other_seqs,
-                                                             fixed_ms)
+        props, proposed, chain_ms_step = self._adaptive(mine, propose, num_other_tokens, num_other_seqs, fixed_ms)
         ms = 1000 * (time.perf_counter() - t0)
         host = ms - chain_ms_step  # a draft chain is priced by chain_scale, not as deciding
         self.decide_ms = host if not self.decide_ms else 0.9 * self.decide_ms + 0.1 * host

@@ -909,8 +909,9 @@ def test_drafting_time_of_configured_k_is_left_out_of_the_overhead_fit(monkeypat
 def test_retire_check_prices_the_static_proposing_of_the_step(monkeypatch):
     """The re-check that retires requests prices a step as the choice does: beside a static request whose
     proposing takes 5 s, the 0.1 ms per request of proposing for the retired ones is so small a share of
-    the step that drafting for them pays again even at their ~0.06% acceptance; beside a static request whose proposing is instant it
-    does not. Whether drafting counts as costly is still judged on the step cost alone."""
+    the step that drafting for them pays again even at their ~0.06% acceptance; beside a static request
+    whose proposing is instant it does not. Whether drafting counts as costly is still judged on the
+    step cost alone."""
     static = SpeculativeConfig("draft_model", 3, model="m")
     for delay_ms, retired_after in ((0.0, True), (5000.0, False)):
         cfg, prop, ad, rs = retired_batch(monkeypatch)
