@@ -1,5 +1,5 @@
-"""Issue 10's sweep goal: does `specserve sweep` over 2 methods x 4 k x 2 concurrency levels x 3 segments finish
-in under 30 minutes here, and does its recommendation, re-run, reproduce within the reported spread?
+"""Does `specserve sweep` over 2 methods x 4 k x 2 concurrency levels x 3 segments finish in under 30 minutes
+here, and does its recommendation, re-run, reproduce within the reported spread? (issue 10's sweep goal)
 
 Starts one `specserve serve` (the model of --model, --allow-profile-override, admin token from the
 environment), runs the same `specserve sweep` command twice against it (the sweep adds its profiles
@@ -44,23 +44,25 @@ def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="model name or path to serve")
+    ap.add_argument("--device", default="cpu", help="the server's --device")
+    ap.add_argument("--dtype", default="float32", help="the server's --dtype")
     ap.add_argument("--num-prompts", type=int, default=8,
-                    help="requests per run (default 8; the sweep's default is 4: with 4, code c=1 and c=4 each "
-                         "moved its pick between re-runs once, README 'specserve sweep' section)")
+                    help="requests per run (one profile, segment, concurrency and repeat; the sweep's own "
+                         "default is 4, with which the picks moved between re-runs in most pairs, code c=4 "
+                         "most often; 8 reproduced 4 of 6 in one pair: README, 'specserve sweep')")
     ap.add_argument("--min-waves", type=int, default=2,
-                    help="requests per concurrent stream at least (the sweep's default is 1; 2 gives the c = 4 "
-                         "runs 8 requests, where with 4 the code segment's pick moved between re-runs; with the "
-                         "default 8 prompts it changes nothing, 8 >= 2 x 4)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="the sweep's default")
+                    help="requests per concurrent stream at least (the sweep's own default is 1; 2 gives the "
+                         "c = 4 runs 8 requests; with 8 prompts it changes nothing, 8 >= 2 x 4)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (the sweep's default)")
     ap.add_argument("--repeats", type=int, default=2, help="repeats per (segment, concurrency) in each sweep")
     ap.add_argument("--prune-margin", type=float, default=0.0,
-                    help="the sweep's --prune-margin (default 0: off, as the sweep's own default)")
-    ap.add_argument("--work-dir", default="out/sweep-repro")
-    ap.add_argument("--out", default="docs/benchmarks")
+                    help="the sweep's --prune-margin (0: off, as the sweep's own default)")
+    ap.add_argument("--work-dir", default="out/sweep-repro", help="server log and each sweep's own files")
+    ap.add_argument("--out", default="docs/benchmarks",
+                    help="where sweep_<device>.json goes (the repository's benchmark records by default)")
     args = ap.parse_args()
 
     from specserve.bench.server_process import ServerProcess

@@ -201,7 +201,9 @@ def _run(args: argparse.Namespace) -> int:
         adaptive = any(p.spec_config is not None and p.spec_config.adaptive for p in pset.profiles.values())
         _say(f"2/4 starting the server with profiles {', '.join(names)} (log {out / 'server.log'})"
              + ("; the adaptive profiles' step cost is measured on the first start (15-35 s on 2 CPU cores, "
-                "then cached)" if adaptive else ""))
+                "then cached)" if adaptive else "")
+             + ("; on a CPU the first start also builds two C++ kernels (45-80 s on 2 cores, then cached)"
+                if not args.device.startswith("cuda") else ""))
         t = time.perf_counter()
         server.start(args.server_timeout, "--server-timeout")
         timings["server_start_s"] = time.perf_counter() - t

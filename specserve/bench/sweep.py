@@ -364,9 +364,10 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
         raise ValueError("give --base-url (one running specserve server) or --server-cmd (external servers)")
     if cfg.base_url and cfg.server_cmd:
         raise ValueError("give --base-url or --server-cmd, not both")
-    if (min(cfg.ks, default=0) < 1 or min(cfg.concurrency, default=0) < 1 or cfg.repeats < 1 or cfg.num_prompts < 1
-            or cfg.min_waves < 1):
-        raise ValueError("--k, --concurrency, --repeats, --num-prompts and --min-waves must be >= 1")
+    for flag, low in (("--k", min(cfg.ks, default=0)), ("--concurrency", min(cfg.concurrency, default=0)),
+                      ("--repeats", cfg.repeats), ("--num-prompts", cfg.num_prompts), ("--min-waves", cfg.min_waves)):
+        if low < 1:
+            raise ValueError(f"{flag} must be >= 1, got {low}")
     if not 0 <= cfg.prune_margin < 1:
         raise ValueError(f"--prune-margin must be in [0, 1), got {cfg.prune_margin}")
     if cfg.server_cmd and cfg.prune_margin:

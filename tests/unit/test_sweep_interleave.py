@@ -64,5 +64,8 @@ def test_requests_per_run_is_at_least_min_waves_per_stream(monkeypatch, tmp_path
     assert len(sweep.samples_for(cfg, "code", 0, 4)) == 8 and asked == [8]
     assert sweep._total_requests(cfg, 3) == 2 * 3 * (4 + 8 + 16)
     cfg.min_waves, cfg.base_url = 0, "http://127.0.0.1:9/v1"
-    with pytest.raises(ValueError, match="--min-waves"):
+    with pytest.raises(ValueError, match="^--min-waves must be >= 1, got 0$"):  # names the flag at fault
+        sweep.run_sweep(cfg, tmp_path)
+    cfg.min_waves, cfg.ks = 1, [2, 0]
+    with pytest.raises(ValueError, match="^--k must be >= 1, got 0$"):
         sweep.run_sweep(cfg, tmp_path)
