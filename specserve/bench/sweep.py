@@ -194,9 +194,13 @@ def _err(r: httpx.Response) -> str:
 
 
 def _run_metrics(records: list, wall: float, prime_failed: int) -> dict:
-    """`metrics.summarize` of a run's records (wall: its seconds), with the failed primes and the first error."""
+    """`metrics.summarize` of a run's records (wall: its seconds), with the failed primes, the first error
+    and each request's TPOT (`per_request`: sample_id, tpot_ms, output_tokens, in the order sent), so
+    that a speedup paired per prompt can be computed from a recorded sweep."""
     m = metrics.summarize(records, wall)
     m["prime_failed"] = prime_failed
+    m["per_request"] = [{"sample_id": r.sample_id, "tpot_ms": metrics.tpot_ms(r), "output_tokens": r.output_tokens}
+                        for r in records]
     errors = [r.error for r in records if r.error]
     if errors:
         m["first_error"] = errors[0]

@@ -32,11 +32,13 @@ def test_profiles_take_turns_per_round_and_their_rounds_are_summed(monkeypatch):
         calls.append(("run", profile, tuple(samples)))
         for s in samples:
             on_done(s)
-        return [SimpleNamespace(id=f"{profile}:{s}", error=None) for s in samples], 0.5 * len(samples)
+        return [SimpleNamespace(id=f"{profile}:{s}", sample_id=f"s{s}", output_tokens=9, error=None)
+                for s in samples], 0.5 * len(samples)
 
     monkeypatch.setattr(sweep.bclient, "prime_prompts", prime)
     monkeypatch.setattr(sweep.bclient, "run_load", run_load)
     monkeypatch.setattr(sweep.metrics, "summarize", lambda records, wall: {"records": [r.id for r in records], "wall": wall})
+    monkeypatch.setattr(sweep.metrics, "tpot_ms", lambda r: 10.0 if r.id.startswith("base") else 5.0)
     bar = Bar()
     out = asyncio.run(sweep._run_interleaved(None, "u", "m", [1, 2, 3, 4, 5], ["base", "a", "b"], 2, bar))
     runs = [(p, s) for kind, p, s in calls if kind == "run"]
@@ -47,6 +49,9 @@ def test_profiles_take_turns_per_round_and_their_rounds_are_summed(monkeypatch):
     assert all(calls[2 * i] == ("prime",) + run for i, run in enumerate(runs))
     assert out["a"]["records"] == ["a:1", "a:2", "a:3", "a:4", "a:5"] and out["a"]["wall"] == 2.5
     assert out["b"]["prime_failed"] == 3 and out["base"]["prime_failed"] == 0
+    # each request's TPOT, by sample, in the order sent: a speedup paired per prompt can be computed later
+    assert out["a"]["per_request"] == [{"sample_id": f"s{i}", "tpot_ms": 5.0, "output_tokens": 9} for i in range(1, 6)]
+    assert [r["tpot_ms"] for r in out["base"]["per_request"]] == [10.0] * 5
     assert bar.n == 15
 
 
