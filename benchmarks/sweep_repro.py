@@ -7,7 +7,8 @@ through the admin API under a fresh tag each run, so the second run's suffix tre
 and checks the second recommendation against the first with `sweep_select.consistent`: per (segment,
 concurrency) the re-run must pick a profile the first run found as good as its best (within its noise
 band). Writes <out>/sweep_<device>.json whose `summary` holds `wall_s` (each run), `under_30_min`,
-`reproduces` and the load average before and after.
+`reproduces` and the load average before and after, and whose `per_request` holds each run's
+per-request TPOTs by sample (for a speedup paired per prompt).
 
     python benchmarks/sweep_repro.py --out docs/benchmarks
 """
@@ -103,6 +104,10 @@ def main() -> None:
         "recommendations": [first["recommendations"], again["recommendations"]],
         "pruned": [first.get("pruned", []), again.get("pruned", [])],
         "rows": [first["rows"], again["rows"]],
+        # each request's TPOT by sample, per run, for a speedup paired per prompt (README, 'specserve sweep')
+        "per_request": [[{k: run[k] for k in ("segment", "concurrency", "profile", "repeat")}
+                         | {"per_request": run["metrics"].get("per_request")} for run in sw["runs"]]
+                        for sw in (first, again)],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
