@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segments", default="code,edit,chat",
                    help="workload segments, as `bench --dataset` (default code,edit,chat); each runs on its own")
     p.add_argument("--num-prompts", type=int, default=4,
-                   help="requests per run (one profile, segment, concurrency and repeat; default 4), raised to --min-waves x "
-                        "the run's concurrency")
+                   help="requests per run (one profile, segment, concurrency and repeat; default 4), raised to "
+                        "--min-waves x the run's concurrency")
     p.add_argument("--min-waves", type=int, default=1,
                    help="each run sends at least this many requests per concurrent stream (default 1: a run at "
                         "concurrency 8 sends 8 requests, not 4; 2 steadies the runs at concurrency > 1)")
