@@ -127,6 +127,9 @@ def instrument_adaptive(ad, log: StepLog) -> None:
         if n_adaptive:
             log.cur["decision"] = ("rest" if resting else "hold" if holding
                                    else "drafts" if any(p.token_ids for p in out) else "none")
+        for key in list(ad._chain_ratios)[:1]:  # a draft model's carried state when it decided (timeline)
+            log.cur["chain_scale"] = ad.chain_scale(key)
+            log.cur["probe_every"] = ad._probe_every[key]
         if ad.last_choice is not None:  # this step chose: what the choice expected (ms of the step, tokens)
             # the choice counts its options' tokens; every other sequence of the step commits one (its
             # accepted drafts, for a configured k, are not in the expectation)
@@ -157,12 +160,36 @@ def expected_vs_realised(rows: list[dict]) -> dict:
                               round(sum(r["committed"] for r in rows) / sum(r["wall_ms"] for r in rows), 3)]}
 
 
+def timeline(rows: list[dict], parts: int = 8) -> list[dict]:
+    """The run in `parts` spans of equal step counts: steps, their wall s, draft tokens per decode step,
+    and a draft model's chain scale (median) and probe interval (max) at its decisions in the span."""
+    out = []
+    n = len(rows)
+    for i in range(parts):
+        span = rows[i * n // parts:(i + 1) * n // parts]
+        if not span:
+            continue
+        dec = [r for r in span if not r.get("prefills")]
+        sc = [r["chain_scale"] for r in span if "chain_scale" in r]
+        out.append({"steps": len(span), "wall_s": round(sum(r["wall_ms"] for r in span) / 1e3, 3),
+                    "drafts_per_decode_step": round(statistics.mean(r["drafts"] for r in dec), 1) if dec else None,
+                    "chain_scale": round(statistics.median(sc), 2) if sc else None,
+                    "probe_every": max((r["probe_every"] for r in span if "probe_every" in r), default=None)})
+    return out
+
+
 def summarize(rows: list[dict], tok_s: float, seconds: float) -> dict:
     dec = [r for r in rows if not r.get("prefills")]
     parts = ["wall_ms", "schedule_ms", "propose_ms", "adaptive_ms", "to_host_ms", "commit_ms", "prepare_ms"]
     out = {"tok_s": round(tok_s), "seconds": round(seconds, 3), "steps": len(rows),
            "decode_steps": len(dec), "mean_ms_decode_steps": {
                p: round(statistics.mean(r.get(p, 0.0) for r in dec), 3) for p in parts} if dec else {}}
+    pre = [r for r in rows if r.get("prefills")]
+    if pre:  # steps with a prompt chunk: the same parts, and where the run's wall time went
+        out["mean_ms_prefill_steps"] = {p: round(statistics.mean(r.get(p, 0.0) for r in pre), 3) for p in parts}
+        out["max_ms_prefill_steps"] = {p: round(max(r.get(p, 0.0) for r in pre), 3) for p in parts}
+    out["steps_wall_s"] = {"decode": round(sum(r["wall_ms"] for r in dec) / 1e3, 3),
+                           "prefill": round(sum(r["wall_ms"] for r in pre) / 1e3, 3)}
     if dec:
         out["mean_ms_decode_steps"]["outside_parts_ms"] = round(statistics.mean(
             r["wall_ms"] - r.get("schedule_ms", 0) - r.get("to_host_ms", 0) - r.get("commit_ms", 0) for r in dec), 3)
@@ -262,6 +289,12 @@ def main() -> None:
             r = bg.concurrent(llm, samples, c, args.requests)
             if prof:
                 prof.disable()
+            print(f"{n} run {rep} ({'warm-up' if rep == 0 else 'measured'}): {r['total_tok_s']:.0f} tok/s, "
+                  f"{r['seconds']:.3f} s, steps {len(log.rows)}, prefill steps "
+                  f"{round(sum(x['wall_ms'] for x in log.rows if x.get('prefills')))} ms, chosen_k so far "
+                  f"{list(eng.adaptive.chosen_k.get(c, [])) if eng.adaptive is not None and c is not None else None}",
+                  flush=True)
+            print(f"  timeline: {json.dumps(timeline(log.rows))}", flush=True)
         s = summarize(log.rows, r["total_tok_s"], r["seconds"])
         if c is not None and c.adaptive and eng.adaptive is not None:
             ad, cm = eng.adaptive, eng.adaptive.step_cost
