@@ -180,8 +180,9 @@ k {html.escape(', '.join(map(str, c['ks'])))}{' and adaptive' if c['adaptive'] e
 {c['max_tokens']}), {c['repeats']} repeat(s), profile order rotated.</p>
 <p class="note">Speedup = baseline TPOT / profile TPOT, token-weighted, each against the baseline of the same repeat;
 median over repeats, [min-max] = spread. Recommended = the smallest k among the profiles within the noise of the
-best median (noise band = the largest relative half-range (max - min) / 2 / median of the (segment, concurrency)'s profiles, at least
-{c['min_noise']}: a profile is within it when its median is at least the best's x (1 - band)); the baseline has k = 0.</p>
+best median: each profile's speedup over the best's in the same repeat, and noise band = the largest relative half-range
+(max - min) / 2 / median of those ratios over the (segment, concurrency)'s profiles, the baseline's included, at least
+{c['min_noise']}; a profile is within it when its median ratio is at least 1 - band. The baseline has k = 0.</p>
 <h2>Recommendations</h2>{_rec_table(result)}
 <h2>All runs</h2>{_rows_table(result)}
 <h2>Plots</h2>{parts}
