@@ -127,7 +127,10 @@ def instrument_adaptive(ad, log: StepLog) -> None:
         if n_adaptive:
             log.cur["decision"] = ("rest" if resting else "hold" if holding
                                    else "drafts" if any(p.token_ids for p in out) else "none")
-        for key in list(ad._chain_ratios)[:1]:  # a draft model's carried state when it decided (timeline)
+        from specserve.spec_decode import proposer_key
+
+        keys = {proposer_key(r.spec_config) for r, _ in asks if r.spec_config.adaptive}
+        for key in [k for k in ad._chain_ratios if k in keys][:1]:  # this profile's draft model (timeline)
             log.cur["chain_scale"] = ad.chain_scale(key)
             log.cur["probe_every"] = ad._probe_every[key]
         if ad.last_choice is not None:  # this step chose: what the choice expected (ms of the step, tokens)

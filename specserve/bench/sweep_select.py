@@ -8,15 +8,16 @@ TTFT and acceptance. `recommend` picks per (segment, concurrency) the profile to
 
 1. best = the highest median speedup (the baseline counts, at exactly 1.0);
 2. each profile is compared with the best *in the same repeat*: its speedup over the best's, per repeat
-   both ran in (each speedup is over that repeat's baseline run, so the comparison does not move with
-   the baseline run's noise); the noise of the (segment, concurrency) = the largest relative half-range
-   (max - min) / 2 / median of those per-repeat ratios over the group's profiles, the baseline's own
-   ratio to the best included (at least `min_noise`): the machine's noise hits every profile measured
-   side by side, and timing noise is multiplicative, so the band is a fraction;
+   both ran in (both speedups are over that repeat's baseline run, so the comparison of two profiles
+   does not move with that run's noise); the noise of the (segment, concurrency) = the largest relative
+   half-range (max - min) / 2 / median of those per-repeat ratios over the group's profiles (at least
+   `min_noise`). The baseline's own ratio to the best is among them, so the band still holds the
+   baseline runs' noise, as it must for "does anything beat the baseline". The machine's noise hits
+   every profile measured side by side, and timing noise is multiplicative, so the band is a fraction;
 3. every profile whose median ratio to the best is within the band (>= 1 - noise) is as good as the
    best; among those the one with the smallest k wins (the baseline has k = 0; an adaptive profile
    counts with its maximum k, and wins a tie of k against a constant one, since it can back off when
-   acceptance falls); equal k: the higher median.
+   acceptance falls); equal k: the higher median speedup over the baseline.
 
 Why pooled: a rule that prefers the smaller k puts its pick at the edge of the band, so the band must
 not depend on which two profiles are compared. With each pair's own half-ranges (two repeats each),
@@ -29,9 +30,10 @@ Why paired with the best (session 20): up to then each profile's speedup over th
 with the best's through their medians, and the band was the largest half-range of those speedups; on
 the nine recorded re-run pairs (docs/benchmarks/sweep_cpu*.json, 54 (segment, concurrency) picks) that
 rule reproduced 43 picks and the paired one 48 (3 pairs of 9 whole against 2), which is its fit to the
-records it was chosen on; on a tenth pair recorded after the choice (docs/benchmarks/sweep_cpu_s20.json)
-it reproduced 4 of 6 against 2 of 6. Neither rule makes a 2-repeat sweep reproduce on this 2-core host:
-there one request's TPOT through the server is 40-45 or 60-67 ms for the same work (README).
+records it was chosen on; on a tenth pair (docs/benchmarks/sweep_cpu_s20.json), whose second sweep
+finished after this rule was chosen, it reproduced 4 of 6 against 2 of 6. Neither rule makes a 2-repeat sweep reproduce on this 2-core host:
+there the same request's TPOT through the server reads mostly about 40-45 ms in some stretches and
+60-67 ms in others (README).
 
 So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
 k only where it beats a shallower one by more than the noise. A band of 1 or more (possible with three or
@@ -71,7 +73,8 @@ def summarize_runs(runs: list[dict], baseline: str = BASELINE) -> list[dict]:
         baseline: the profile the speedups are relative to.
 
     Returns:
-        dicts with segment, concurrency, profile, repeats, speedup {median, min, max, values},
+        dicts with segment, concurrency, profile, repeats, speedup {median, min, max, values, by_repeat
+        (repeat -> speedup)},
         tps_ratio {median, min, max}, tpot_ms, ttft_ms_p50, tpot_ms_p50, output_tps (medians),
         acceptance_rate, mean_acceptance_length, acceptance_per_pos (medians), errors (sum).
     """
@@ -148,17 +151,28 @@ def prune(runs: list[dict], margin: float, baseline: str = BASELINE) -> dict[tup
 
 
 def _relative_to(row: dict, best: dict) -> list[float]:
-    """The row's speedup over the best's, per repeat both were measured in (each speedup is over the
-    baseline of its repeat, so that baseline run's noise cancels); the ratio of their medians when they
-    share no repeat. Rows recorded without `by_repeat` (before it existed) pair their `values` by
-    position, which is the repeat order (a pruned row has the first repeat only)."""
+    """The row's speedup over the best's, per repeat both were measured in (both speedups are over the
+    same baseline run, which therefore drops out of this comparison); the ratio of their medians when
+    they share no repeat. Rows recorded before `by_repeat` existed pair their `values` by position
+    (the repeat order, where no repeat lacked a speedup)."""
     def per_repeat(r: dict) -> dict:
         s = r["speedup"]
         return s["by_repeat"] if "by_repeat" in s else dict(enumerate(s["values"]))
 
     mine, theirs = per_repeat(row), per_repeat(best)
     pairs = [mine[k] / theirs[k] for k in mine if k in theirs and theirs[k]]
-    return pairs or [row["speedup"]["median"] / best["speedup"]["median"]]
+    if pairs:
+        return pairs
+    return [row["speedup"]["median"] / best["speedup"]["median"]] if best["speedup"]["median"] else [1.0]
+
+
+def _band(row: dict, best: dict, ratios: list[float]) -> float:
+    """The row's contribution to the group's noise band: the relative half-range of its per-repeat
+    ratios to the best; where it shares fewer than two repeats with the best (a run of the best that
+    has no TPOT), that of its own speedups over repeats, so the band does not fall to the floor."""
+    if len(ratios) >= 2:
+        return _relative_half_range(ratios)
+    return _relative_half_range([v for v in row["speedup"]["values"] if v is not None])
 
 
 def _relative_half_range(values: list[float]) -> float:
@@ -197,7 +211,7 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
             continue
         best = max(group, key=lambda r: r["speedup"]["median"])
         rel = {r["profile"]: _relative_to(r, best) for r in group}
-        noise = max([min_noise] + [_relative_half_range(v) for v in rel.values()])
+        noise = max([min_noise] + [_band(r, best, rel[r["profile"]]) for r in group])
         close = [r for r in group if statistics.median(rel[r["profile"]]) >= 1 - noise]
         pick = min(close, key=lambda r: (k_key(r["profile"]), -r["speedup"]["median"]))
         if pick is best:

@@ -143,3 +143,14 @@ def test_profiles_are_compared_with_the_best_in_the_same_repeat():
     for r in rows:
         del r["speedup"]["by_repeat"]
     assert recommend(rows, profiles)[0]["profile"] == "ngram_k8"
+
+
+def test_a_best_without_a_second_repeat_keeps_the_noise_band():
+    # the best's second run had no TPOT: every ratio to it pairs one repeat, so each profile's own spread
+    # over repeats stands in for its band (k2: 2.22x and 1.25x, +-28%) instead of the floor
+    rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k2": [45, 80], "ngram_k8": [40, 41]}))
+    k8 = next(r for r in rows if r["profile"] == "ngram_k8")
+    k8["speedup"].update(by_repeat={0: 2.5}, values=[2.5], median=2.5, min=2.5, max=2.5)
+    (rec,) = recommend(rows, PROFILES)
+    assert rec["best"] == "ngram_k8" and rec["noise"] == pytest.approx((100 / 45 - 1.25) / 2 / ((100 / 45 + 1.25) / 2))
+    assert rec["profile"] == "ngram_k2"  # 0.89 of the best in the one shared repeat: within the band
