@@ -24,7 +24,8 @@ EPILOG = """examples:
 Profiles are named baseline, <method>_k<k> and <method>_adaptive (num_speculative_tokens = the largest
 --k, "num_speculative_tokens_schedule": "adaptive"). Speedup = baseline TPOT / profile TPOT in the same
 repeat; the recommendation per (segment, concurrency) is the smallest k within the noise of the best
-median (the baseline, k = 0, included). With --base-url, profiles more than --prune-margin below the
+median (the baseline, k = 0, included): each profile is compared with the best in the same repeat, and
+the band is the largest spread of those ratios over repeats (at least --min-noise). With --base-url, profiles more than --prune-margin below the
 best after the first repeat are not run again in that (segment, concurrency) and are not recommended
 (off by default)."""
 
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sample seed (same seed, same requests)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per profile, not counted (default 1)")
     p.add_argument("--min-noise", type=float, default=0.02,
-                   help="smallest noise band, a fraction of the best median speedup (default 0.02 = 2%%)")
+                   help="smallest noise band, a fraction of the best (default 0.02 = 2%%)")
     p.add_argument("--prune-margin", type=float, default=0.0,
                    help="with --base-url: after the first repeat of a (segment, concurrency), stop running the "
                         "profiles whose speedup is more than this fraction below the best there (default 0: off, "
