@@ -31,7 +31,8 @@ with the best's through their medians, and the band was the largest half-range o
 the nine recorded re-run pairs (docs/benchmarks/sweep_cpu*.json, 54 (segment, concurrency) picks) that
 rule reproduced 43 picks and the paired one 48 (3 pairs of 9 whole against 2), which is its fit to the
 records it was chosen on; on a tenth pair (docs/benchmarks/sweep_cpu_s20.json), whose second sweep
-finished after this rule was chosen, it reproduced 4 of 6 against 2 of 6. Neither rule makes a 2-repeat sweep reproduce on this 2-core host:
+finished after this rule was chosen, it reproduced 4 of 6 against 2 of 6, and on an eleventh, run
+with it (sweep_cpu_s20b.json), 6 of 6 against 5 of 6. Neither rule makes a 2-repeat sweep reproduce on this 2-core host:
 there the same request's TPOT through the server reads mostly about 40-45 ms in some stretches and
 60-67 ms in others (README).
 
