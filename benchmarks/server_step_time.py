@@ -3,7 +3,10 @@ one `specserve serve` (c=1), and each request's TPOT (ms between its first and l
 over the chunks between them), with the steal time the kernel reported meanwhile. On the 2-core CPU of
 session 20 it read mostly ~40-45 ms in some stretches and ~60-67 in others for the same request
 (docs/benchmarks/server_step_time_cpu_s20.json), which is what makes a sweep's picks flip (README,
-'specserve sweep'). The server inherits this process's environment, so OpenMP settings can be tried:
+'specserve sweep'). The load average before and after is recorded: under other load the figures mean
+nothing.
+
+The server inherits this process's environment, so OpenMP settings can be tried, e.g.
 
     GOMP_SPINCOUNT=0 python benchmarks/server_step_time.py --requests 16 --out /tmp/step_time.json
 """
@@ -52,6 +55,7 @@ def main() -> None:
     server = ServerProcess(["--model", str(files.path), "--dtype", args.dtype, "--device", args.device,
                             "--max-num-seqs", "4", "--log-level", "warning"], log)
     server.start(900)
+    load_before = os.getloadavg()[0]
     rows = []
     try:
         with httpx.Client(timeout=600) as client:
@@ -71,8 +75,10 @@ def main() -> None:
         server.stop()
     env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))}
     result = {"benchmark": "server_step_time", "model": args.model, "device": args.device, "dtype": args.dtype,
-              "cpus": os.cpu_count(), "openmp_env": env, "requests": rows}
-    print("TPOT ms per request:", [r["tpot_ms"] for r in rows])
+              "cpus": os.cpu_count(), "openmp_env": env, "requests": rows,
+              "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    print("TPOT ms per request:", [r["tpot_ms"] for r in rows], "| load average before/after:",
+          result["loadavg_1min_before_after"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
