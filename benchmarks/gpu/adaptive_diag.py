@@ -116,6 +116,7 @@ def instrument_adaptive(ad, log: StepLog) -> None:
         return
     ad._diag = True
     draft = ad.draft
+    from specserve.spec_decode import proposer_key
 
     def wrapped(asks, propose, **kw):
         resting, holding = ad.rest_steps > 0, getattr(ad, "hold_steps", 0) > 0
@@ -127,8 +128,6 @@ def instrument_adaptive(ad, log: StepLog) -> None:
         if n_adaptive:
             log.cur["decision"] = ("rest" if resting else "hold" if holding
                                    else "drafts" if any(p.token_ids for p in out) else "none")
-        from specserve.spec_decode import proposer_key
-
         keys = {proposer_key(r.spec_config) for r, _ in asks if r.spec_config.adaptive}
         for key in [k for k in ad._chain_ratios if k in keys][:1]:  # this profile's draft model (timeline)
             log.cur["chain_scale"] = ad.chain_scale(key)

@@ -167,7 +167,7 @@ def _relative_to(row: dict, best: dict) -> list[float]:
     return [row["speedup"]["median"] / best["speedup"]["median"]] if best["speedup"]["median"] else [1.0]
 
 
-def _band(row: dict, best: dict, ratios: list[float]) -> float:
+def _band(row: dict, ratios: list[float]) -> float:
     """The row's contribution to the group's noise band: the relative half-range of its per-repeat
     ratios to the best; where it shares fewer than two repeats with the best (a run of the best that
     has no TPOT), that of its own speedups over repeats, so the band does not fall to the floor."""
@@ -212,7 +212,7 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
             continue
         best = max(group, key=lambda r: r["speedup"]["median"])
         rel = {r["profile"]: _relative_to(r, best) for r in group}
-        noise = max([min_noise] + [_band(r, best, rel[r["profile"]]) for r in group])
+        noise = max([min_noise] + [_band(r, rel[r["profile"]]) for r in group])
         close = [r for r in group if statistics.median(rel[r["profile"]]) >= 1 - noise]
         pick = min(close, key=lambda r: (k_key(r["profile"]), -r["speedup"]["median"]))
         if pick is best:
