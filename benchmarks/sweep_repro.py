@@ -11,6 +11,14 @@ band). Writes <out>/sweep_<device>.json whose `summary` holds `wall_s` (each run
 per-request TPOTs by sample (for a speedup paired per prompt).
 
     python benchmarks/sweep_repro.py --out docs/benchmarks
+
+`--rescore FILE...` runs nothing: it scores recorded pairs (such JSON files) with the selection rule
+as it is now (`sweep_select.recommend` on each sweep's rows, then `consistent`), so pairs recorded
+under earlier rules can be compared with one rule, and writes <out>/sweep_repro_rescored.json: per
+pair its start, wall times, the verdict recorded with it and the current rule's (picks reproduced of
+the pair's (segment, concurrency) cells, and the misses), and the totals.
+
+    python benchmarks/sweep_repro.py --rescore docs/benchmarks/sweep_cpu*.json --out docs/benchmarks
 """
 
 from __future__ import annotations
@@ -44,6 +52,52 @@ def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) ->
     return json.loads((out / "sweep.json").read_text()), wall
 
 
+def rescore(paths: list[str], out: Path) -> dict:
+    """Score recorded sweep_repro pairs with the current selection rule (see the module docstring); a
+    file that is not a recorded pair (no `rows` of two sweeps) is listed under `skipped`.
+
+    Raises:
+        SystemExit: none of the files is a recorded pair.
+    """
+    from specserve.bench.sweep import SweepConfig, plan_profiles
+    from specserve.bench.sweep_select import consistent, recommend
+
+    profiles = plan_profiles(SweepConfig(methods=["ngram", "suffix"], ks=[2, 4, 6, 8], adaptive=False))
+    pairs, skipped, cells, ok, whole = [], [], 0, 0, 0
+    for path in paths:
+        rec = json.loads(Path(path).read_text())
+        rows = rec.get("rows")
+        if rec.get("benchmark") != "sweep_repro" or not isinstance(rows, list) or len(rows) != 2:
+            skipped.append(Path(path).name)
+            continue
+        check = consistent(recommend(rows[0], profiles, 0.02), recommend(rows[1], profiles, 0.02))
+        n = sum(v["ok"] for v in check["by_key"].values())
+        recorded = rec.get("summary", {}).get("by_key", {})
+        pairs.append({"file": Path(path).name, "started": rec.get("started"),
+                      "wall_s": rec.get("summary", {}).get("wall_s"),
+                      "recorded": {"reproduced": sum(bool(v.get("ok")) for v in recorded.values()),
+                                   "cells": len(recorded)},
+                      "current_rule": {"reproduced": n, "cells": len(check["by_key"]),
+                                       "misses": [f"{k}: {v['first']} then {v['again']}"
+                                                  for k, v in check["by_key"].items() if not v["ok"]]}})
+        cells, ok, whole = cells + len(check["by_key"]), ok + n, whole + check["all"]
+    if not pairs:
+        raise SystemExit(f"none of {len(paths)} files is a recorded sweep_repro pair (a JSON with `rows` of two sweeps)")
+    result = {"benchmark": "sweep_repro --rescore", "rule": "sweep_select.recommend as of this commit, min_noise 0.02",
+              "pairs": sorted(pairs, key=lambda p: p["started"] or ""),
+              "totals": {"pairs": len(pairs), "whole_pairs_reproduced": whole, "cells": cells,
+                         "cells_reproduced": ok},
+              "skipped": skipped}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep_repro_rescored.json").write_text(json.dumps(result, indent=1) + "\n")
+    for p in result["pairs"]:
+        cur = p["current_rule"]
+        print(f"{p['started']}  {p['file']:40s} recorded {p['recorded']['reproduced']}/{p['recorded']['cells']}"
+              f"  now {cur['reproduced']}/{cur['cells']}  {'; '.join(cur['misses'])}")
+    print(json.dumps(result["totals"]))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -53,7 +107,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8,
                     help="requests per run (one profile, segment, concurrency and repeat; the sweep's own "
                          "default is 4, with which the picks moved between re-runs in most pairs, code c=4 "
-                         "most often; 8 reproduced 4 of 6 in one pair: README, 'specserve sweep')")
+                         "most often; with 8 the four pairs reproduced 4-6 of 6 under today's rule: docs/sweep-reproduction.md)")
     ap.add_argument("--min-waves", type=int, default=2,
                     help="requests per concurrent stream at least (the sweep's own default is 1; 2 gives the "
                          "c = 4 runs 8 requests; with 8 prompts it changes nothing, 8 >= 2 x 4)")
@@ -64,7 +118,12 @@ def main() -> None:
     ap.add_argument("--work-dir", default="out/sweep-repro", help="server log and each sweep's own files")
     ap.add_argument("--out", default="docs/benchmarks",
                     help="where sweep_<device>.json goes (the repository's benchmark records by default)")
+    ap.add_argument("--rescore", nargs="+", metavar="FILE",
+                    help="run nothing: score these recorded pairs with the current selection rule")
     args = ap.parse_args()
+    if args.rescore:
+        rescore(args.rescore, Path(args.out))
+        return
 
     from specserve.bench.server_process import ServerProcess
     from specserve.bench.sweep_select import consistent
@@ -104,7 +163,7 @@ def main() -> None:
         "recommendations": [first["recommendations"], again["recommendations"]],
         "pruned": [first.get("pruned", []), again.get("pruned", [])],
         "rows": [first["rows"], again["rows"]],
-        # each request's TPOT by sample, per run, for a speedup paired per prompt (README, 'specserve sweep')
+        # each request's TPOT by sample, per run, for a speedup paired per prompt (docs/sweep-reproduction.md)
         "per_request": [[{k: run[k] for k in ("segment", "concurrency", "profile", "repeat")}
                          | {"per_request": run["metrics"].get("per_request")} for run in sw["runs"]]
                         for sw in (first, again)],

@@ -104,7 +104,7 @@ def requests_per_run(cfg: SweepConfig, concurrency: int) -> int:
     """Requests of one run at `concurrency`: `num_prompts`, raised to `min_waves` x concurrency. A
     closed-loop run of fewer requests than its concurrency never reaches it, and one of a single wave
     is a burst whose TPOT rests on as many requests as there are streams (at c = 4 with 4 prompts, the
-    code segment's best suffix k moved between re-runs: README, 'specserve sweep')."""
+    code segment's best suffix k moved between re-runs: docs/sweep-reproduction.md)."""
     return max(cfg.num_prompts, cfg.min_waves * concurrency)
 
 

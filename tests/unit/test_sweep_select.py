@@ -2,6 +2,11 @@
 of the same repeat, median and spread, the best profile, the smaller k within the noise, the baseline
 when nothing beats it by more than the noise, and a re-run's consistency."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from specserve.bench.sweep_select import consistent, prune, recommend, recommended_profiles, summarize_runs
@@ -154,3 +159,25 @@ def test_a_best_without_a_second_repeat_keeps_the_noise_band():
     (rec,) = recommend(rows, PROFILES)
     assert rec["best"] == "ngram_k8" and rec["noise"] == pytest.approx((100 / 45 - 1.25) / 2 / ((100 / 45 + 1.25) / 2))
     assert rec["profile"] == "ngram_k2"  # 0.89 of the best in the one shared repeat: within the band
+
+
+def test_rescore_of_recorded_pairs(tmp_path):
+    """`benchmarks/sweep_repro.py --rescore` on two recorded pairs (no model, no server): the rule of this
+    commit reproduces 6 of 6 picks on session 20's second pair and 4 of 6 on session 21's (the misses
+    code c=1 suffix k 8 then k 6, edit c=4 suffix k 2 then the baseline), and a file that is not a pair
+    is listed as skipped."""
+    root = Path(__file__).resolve().parents[2]
+    rec = root / "docs" / "benchmarks"
+    files = [rec / "sweep_cpu_s20b.json", rec / "sweep_cpu_s21.json", rec / "server_step_time_cpu_s21.json"]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "sweep_repro.py"), "--rescore", *map(str, files),
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads((tmp_path / "sweep_repro_rescored.json").read_text())
+    by_file = {p["file"]: p["current_rule"] for p in out["pairs"]}
+    assert by_file["sweep_cpu_s20b.json"]["reproduced"] == 6
+    assert by_file["sweep_cpu_s21.json"]["reproduced"] == 4
+    assert sorted(by_file["sweep_cpu_s21.json"]["misses"]) == ["code c=1: suffix_k8 then suffix_k6",
+                                                               "edit c=4: suffix_k2 then baseline"]
+    assert out["totals"] == {"pairs": 2, "whole_pairs_reproduced": 1, "cells": 12, "cells_reproduced": 10}
+    assert out["skipped"] == ["server_step_time_cpu_s21.json"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == out["totals"]
