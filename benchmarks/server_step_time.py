@@ -1,23 +1,28 @@
-"""Is a server's step time steady? The same greedy streaming request, sent N times one after another to
-one `specserve serve` (c=1), and each request's TPOT (ms between its first and last token-bearing chunks
-over the chunks between them), with the steal time the kernel reported meanwhile. On the 2-core CPU of
-session 20 it read mostly ~40-45 ms in some stretches and ~60-67 in others for the same request
+"""Is a server's (or, with --in-process, the engine's) step time steady? The same greedy streaming
+request, sent N times one after another to one `specserve serve` (c=1), and each request's TPOT (ms
+between its first and last token-bearing chunks over the chunks between them), with the steal time the
+kernel reported meanwhile and two probes of the machine taken just before it (mem_probe_ms, a
+one-thread 64 MiB copy; cpu_probe_ms, a pure-Python loop). Steady means the same TPOT within a few percent from request to request (the
+first measured one may still be slower); on the 2-core CPU of session 20 it read mostly ~40-45 ms in
+some stretches and ~60-67 in others for the same request
 (docs/benchmarks/server_step_time_cpu_s20.json), one of the two reasons a sweep's picks flip
-(docs/sweep-reproduction.md). The load average before and after is recorded: under other load the figures mean
-nothing.
+(docs/sweep-reproduction.md). The load average before and after is recorded: under other load the
+figures mean nothing.
 
 The server inherits this process's environment, so OpenMP settings can be tried, e.g.
 
     GOMP_SPINCOUNT=0 python benchmarks/server_step_time.py --requests 16 --out /tmp/step_time.json
 
 `--in-process` runs the same request through `LLM.generate` in this process instead (no server, no
-HTTP; TPOT from the completion's first-token and finished timestamps), to tell the server's variance
-from the machine's. Beside every request two probes run in this process while the engine is idle,
+HTTP; TPOT from the completion's first-token and finished engine timestamps, so without the HTTP,
+detokenization and streaming the server's figure includes), to tell the server's variance from the
+machine's. Just before every request two probes run in this process while the engine is idle,
 each single-threaded: `mem_probe_ms`, copying a 64 MiB array (memory bandwidth), and `cpu_probe_ms`,
 a pure-Python loop (one core's speed); they show whether a slow stretch is the machine's memory, its
-cores, or neither. In session 21 the in-process TPOT was bimodal too (~36-41 ms, and stretches of
-~57-63 ms, one of five minutes; docs/benchmarks/server_step_time_cpu_s21.json), while neither probe
-followed the state.
+cores, or neither. In session 21 the in-process TPOT was bimodal too (~36-44 ms, and stretches of
+~57-63 ms; docs/benchmarks/server_step_time_cpu_s21.json); the CPU probe did not follow the state, the
+memory probe did in one run and not in the other.
+The load average "before" is read before the server starts (session 20's runs read it after).
 """
 
 from __future__ import annotations
@@ -88,10 +93,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="model name or path to serve")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="the engine's device (cpu or cuda)")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype")
     ap.add_argument("--requests", type=int, default=16, help="measured requests (after one warm-up)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (greedy)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
     ap.add_argument("--in-process", action="store_true",
                     help="run the request through LLM.generate in this process instead of a server")
@@ -113,8 +118,10 @@ def main() -> None:
               "model": args.model, "device": args.device, "dtype": args.dtype,
               "cpus": os.cpu_count(), "openmp_env": env, "requests": rows,
               "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
-    print("TPOT ms per request:", [r["tpot_ms"] for r in rows], "| memory probe ms:",
-          [r["mem_probe_ms"] for r in rows], "| load average before/after:", result["loadavg_1min_before_after"])
+    print(f"{result['mode']}: TPOT ms per request:", [r["tpot_ms"] for r in rows],
+          "| memory probe ms:", [r["mem_probe_ms"] for r in rows], "| CPU probe ms:", [r["cpu_probe_ms"] for r in rows],
+          "| steal jiffies:", sum(r["steal_jiffies"] for r in rows),
+          "| load average before/after:", result["loadavg_1min_before_after"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -1,5 +1,7 @@
-"""Does `specserve sweep` over 2 methods x 4 k x 2 concurrency levels x 3 segments finish in under 30 minutes
-here, and does its recommendation, re-run, reproduce within the reported spread? (issue 10's sweep goal)
+"""Run `specserve sweep` over 2 methods x 4 k x 2 concurrency levels x 3 segments twice against one
+server, and record whether each sweep finishes in under 30 minutes here and whether the re-run's
+recommendation reproduces within the first's reported spread (issue 10's sweep goal; two sweeps of
+10-30 minutes each on a 2-core CPU); or, with --rescore, score recorded pairs without running anything.
 
 Starts one `specserve serve` (the model of --model, --allow-profile-override, admin token from the
 environment), runs the same `specserve sweep` command twice against it (the sweep adds its profiles
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -52,23 +55,51 @@ def run_sweep(base_url: str, token: str, out: Path, args: argparse.Namespace) ->
     return json.loads((out / "sweep.json").read_text()), wall
 
 
+def profiles_of(rows: list[list[dict]]) -> dict[str, dict | None] | str:
+    """The profiles of a recorded pair, from the names the sweep gives them (`sweep.plan_profiles`):
+    baseline, `<method>_k<k>`, and `<method>_adaptive` (k = the largest k of that method in the pair).
+    Returns name -> config (None for the baseline), or a one-line reason where a name does not parse."""
+    names = {r["profile"] for sweep in rows for r in sweep}
+    out: dict[str, dict | None] = {}
+    for n in names:
+        if n == "baseline":
+            out[n] = None
+        elif m := re.fullmatch(r"(.+)_k(\d+)", n):
+            out[n] = {"method": m.group(1), "num_speculative_tokens": int(m.group(2))}
+    for n in names - set(out):
+        m = re.fullmatch(r"(.+)_adaptive", n)
+        ks = [c["num_speculative_tokens"] for c in out.values() if c and m and c["method"] == m.group(1)]
+        if not ks:
+            return f"profile {n!r} is not baseline, <method>_k<k>, or <method>_adaptive beside a static k"
+        out[n] = {"method": m.group(1), "num_speculative_tokens": max(ks), "num_speculative_tokens_schedule": "adaptive"}
+    return out
+
+
 def rescore(paths: list[str], out: Path) -> dict:
-    """Score recorded sweep_repro pairs with the current selection rule (see the module docstring); a
-    file that is not a recorded pair (no `rows` of two sweeps) is listed under `skipped`.
+    """Score recorded sweep_repro pairs with the current selection rule (see the module docstring). A
+    file that cannot be read, is not JSON, or is not a recorded pair (a `sweep_repro` record whose
+    `rows` hold two sweeps) is listed under `skipped` with the reason, and printed.
 
     Raises:
-        SystemExit: none of the files is a recorded pair.
+        SystemExit: none of the files is a recorded pair (a one-line message).
     """
-    from specserve.bench.sweep import SweepConfig, plan_profiles
     from specserve.bench.sweep_select import consistent, recommend
 
-    profiles = plan_profiles(SweepConfig(methods=["ngram", "suffix"], ks=[2, 4, 6, 8], adaptive=False))
     pairs, skipped, cells, ok, whole = [], [], 0, 0, 0
     for path in paths:
-        rec = json.loads(Path(path).read_text())
-        rows = rec.get("rows")
-        if rec.get("benchmark") != "sweep_repro" or not isinstance(rows, list) or len(rows) != 2:
-            skipped.append(Path(path).name)
+        try:
+            rec = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            skipped.append({"file": Path(path).name, "why": f"not a readable JSON file ({type(e).__name__})"})
+            continue
+        rows = rec.get("rows") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or rec.get("benchmark") != "sweep_repro" or not isinstance(rows, list) \
+                or len(rows) != 2:
+            skipped.append({"file": Path(path).name, "why": "not a recorded sweep_repro pair (no `rows` of two sweeps)"})
+            continue
+        profiles = profiles_of(rows)
+        if isinstance(profiles, str):
+            skipped.append({"file": Path(path).name, "why": profiles})
             continue
         check = consistent(recommend(rows[0], profiles, 0.02), recommend(rows[1], profiles, 0.02))
         n = sum(v["ok"] for v in check["by_key"].values())
@@ -81,8 +112,11 @@ def rescore(paths: list[str], out: Path) -> dict:
                                        "misses": [f"{k}: {v['first']} then {v['again']}"
                                                   for k, v in check["by_key"].items() if not v["ok"]]}})
         cells, ok, whole = cells + len(check["by_key"]), ok + n, whole + check["all"]
+    for s in skipped:
+        print(f"skipped {s['file']}: {s['why']}")
     if not pairs:
-        raise SystemExit(f"none of {len(paths)} files is a recorded sweep_repro pair (a JSON with `rows` of two sweeps)")
+        raise SystemExit(f"none of the {len(paths)} files is a recorded sweep_repro pair (a JSON record of "
+                         "benchmarks/sweep_repro.py whose `rows` hold two sweeps)")
     result = {"benchmark": "sweep_repro --rescore", "rule": "sweep_select.recommend as of this commit, min_noise 0.02",
               "pairs": sorted(pairs, key=lambda p: p["started"] or ""),
               "totals": {"pairs": len(pairs), "whole_pairs_reproduced": whole, "cells": cells,
@@ -92,8 +126,8 @@ def rescore(paths: list[str], out: Path) -> dict:
     (out / "sweep_repro_rescored.json").write_text(json.dumps(result, indent=1) + "\n")
     for p in result["pairs"]:
         cur = p["current_rule"]
-        print(f"{p['started']}  {p['file']:40s} recorded {p['recorded']['reproduced']}/{p['recorded']['cells']}"
-              f"  now {cur['reproduced']}/{cur['cells']}  {'; '.join(cur['misses'])}")
+        print(f"{p['started']}  {p['file']:40s} rule when recorded {p['recorded']['reproduced']}/{p['recorded']['cells']}"
+              f"  current rule {cur['reproduced']}/{cur['cells']}  {'; '.join(cur['misses'])}")
     print(json.dumps(result["totals"]))
     return result
 
@@ -107,7 +141,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8,
                     help="requests per run (one profile, segment, concurrency and repeat; the sweep's own "
                          "default is 4, with which the picks moved between re-runs in most pairs, code c=4 "
-                         "most often; with 8 the four pairs reproduced 4-6 of 6 under today's rule: docs/sweep-reproduction.md)")
+                         "most often; with 8 the four pairs reproduced 4-6 of 6 under the current rule: docs/sweep-reproduction.md)")
     ap.add_argument("--min-waves", type=int, default=2,
                     help="requests per concurrent stream at least (the sweep's own default is 1; 2 gives the "
                          "c = 4 runs 8 requests; with 8 prompts it changes nothing, 8 >= 2 x 4)")
@@ -117,9 +151,13 @@ def main() -> None:
                     help="the sweep's --prune-margin (0: off, as the sweep's own default)")
     ap.add_argument("--work-dir", default="out/sweep-repro", help="server log and each sweep's own files")
     ap.add_argument("--out", default="docs/benchmarks",
-                    help="where sweep_<device>.json goes (the repository's benchmark records by default)")
+                    help="where sweep_<device>.json (or, with --rescore, sweep_repro_rescored.json) goes; the "
+                         "default is the repository's benchmark records, which a run overwrites")
     ap.add_argument("--rescore", nargs="+", metavar="FILE",
-                    help="run nothing: score these recorded pairs with the current selection rule")
+                    help="run nothing: score recorded pairs (the JSON files this script wrote, e.g. "
+                         "docs/benchmarks/sweep_cpu*.json) with the selection rule of this checkout; prints a "
+                         "line per pair and the totals, skips files that are not pairs, and writes "
+                         "<out>/sweep_repro_rescored.json")
     args = ap.parse_args()
     if args.rescore:
         rescore(args.rescore, Path(args.out))

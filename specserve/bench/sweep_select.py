@@ -32,10 +32,11 @@ the nine recorded re-run pairs (docs/benchmarks/sweep_cpu*.json, 54 (segment, co
 rule reproduced 43 picks and the paired one 48 (3 pairs of 9 whole against 2), which is its fit to the
 records it was chosen on; on a tenth pair (docs/benchmarks/sweep_cpu_s20.json), whose second sweep
 finished after this rule was chosen, it reproduced 4 of 6 against 2 of 6, and on an eleventh, run
-with it (sweep_cpu_s20b.json), 6 of 6 against 5 of 6, and on a twelfth (sweep_cpu_s21.json) 4 of 6.
-Neither rule makes a 2-repeat sweep reproduce reliably on this 2-core host: there the same request's
-TPOT reads about 36-45 ms in some stretches and 57-67 ms in others, in-process too, and neighbouring
-k differ by about that noise (docs/sweep-reproduction.md, which tables every recorded pair).
+with it (sweep_cpu_s20b.json), 6 of 6 against 5 of 6, and on a twelfth, run with it
+(sweep_cpu_s21.json), 4 of 6. Neither rule makes a 2-repeat sweep reproduce reliably on this 2-core
+host: there the same request's TPOT through the server reads about 40-45 ms in some stretches and
+60-67 ms in others (in-process 36-44 and 57-63 ms), and neighbouring k differ by about that noise
+(docs/sweep-reproduction.md, which tables every recorded pair).
 
 So speculation is recommended only where it beats the baseline by more than the noise, and a deeper
 k only where it beats a shallower one by more than the noise. A band of 1 or more (possible with three or

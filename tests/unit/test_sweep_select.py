@@ -179,5 +179,6 @@ def test_rescore_of_recorded_pairs(tmp_path):
     assert sorted(by_file["sweep_cpu_s21.json"]["misses"]) == ["code c=1: suffix_k8 then suffix_k6",
                                                                "edit c=4: suffix_k2 then baseline"]
     assert out["totals"] == {"pairs": 2, "whole_pairs_reproduced": 1, "cells": 12, "cells_reproduced": 10}
-    assert out["skipped"] == ["server_step_time_cpu_s21.json"]
+    assert [s["file"] for s in out["skipped"]] == ["server_step_time_cpu_s21.json"]
+    assert "skipped server_step_time_cpu_s21.json: not a recorded sweep_repro pair" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == out["totals"]
