@@ -2,9 +2,9 @@
 request, sent N times one after another to one `specserve serve` (c=1), and each request's TPOT (ms
 between its first and last token-bearing chunks over the chunks between them), with the steal time the
 kernel reported meanwhile and two probes of the machine taken just before it (mem_probe_ms, a
-one-thread 64 MiB copy; cpu_probe_ms, a pure-Python loop). Steady means the same TPOT within a few percent from request to request (the
-first measured one may still be slower); on the 2-core CPU of session 20 it read mostly ~40-45 ms in
-some stretches and ~60-67 in others for the same request
+one-thread 64 MiB copy; cpu_probe_ms, a pure-Python loop). Steady means the same TPOT within a few
+percent from request to request (the first measured one may still be slower); on the 2-core CPU of
+session 20 it read mostly ~40-45 ms in some stretches and ~60-67 in others for the same request
 (docs/benchmarks/server_step_time_cpu_s20.json), one of the two reasons a sweep's picks flip
 (docs/sweep-reproduction.md). The load average before and after is recorded: under other load the
 figures mean nothing.

@@ -15,10 +15,11 @@ per-request TPOTs by sample (for a speedup paired per prompt).
     python benchmarks/sweep_repro.py --out docs/benchmarks
 
 `--rescore FILE...` runs nothing: it scores recorded pairs (such JSON files) with the selection rule
-as it is now (`sweep_select.recommend` on each sweep's rows, then `consistent`), so pairs recorded
+of this checkout (`sweep_select.recommend` on each sweep's rows, then `consistent`), so pairs recorded
 under earlier rules can be compared with one rule, and writes <out>/sweep_repro_rescored.json: per
 pair its start, wall times, the verdict recorded with it and the current rule's (picks reproduced of
-the pair's (segment, concurrency) cells, and the misses), and the totals.
+the pair's (segment, concurrency) cells, and the misses), and the totals. To refresh the committed
+record (docs/sweep-reproduction.md tables it):
 
     python benchmarks/sweep_repro.py --rescore docs/benchmarks/sweep_cpu*.json --out docs/benchmarks
 """
