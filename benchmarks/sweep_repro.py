@@ -84,7 +84,10 @@ def rescore(paths: list[str], out: Path) -> dict:
     Raises:
         SystemExit: none of the files is a recorded pair (a one-line message).
     """
-    from specserve.bench.sweep_select import consistent, recommend
+    from specserve.bench.sweep import SweepConfig
+    from specserve.bench.sweep_select import PICK_MARGIN, consistent, recommend
+
+    min_noise = SweepConfig().min_noise  # what `specserve sweep` uses by default
 
     pairs, skipped, cells, ok, whole = [], [], 0, 0, 0
     for path in paths:
@@ -102,7 +105,7 @@ def rescore(paths: list[str], out: Path) -> dict:
         if isinstance(profiles, str):
             skipped.append({"file": Path(path).name, "why": profiles})
             continue
-        check = consistent(recommend(rows[0], profiles, 0.02), recommend(rows[1], profiles, 0.02))
+        check = consistent(recommend(rows[0], profiles, min_noise), recommend(rows[1], profiles, min_noise))
         n = sum(v["ok"] for v in check["by_key"].values())
         recorded = rec.get("summary", {}).get("by_key", {})
         pairs.append({"file": Path(path).name, "started": rec.get("started"),
@@ -118,7 +121,8 @@ def rescore(paths: list[str], out: Path) -> dict:
     if not pairs:
         raise SystemExit(f"none of the {len(paths)} files is a recorded sweep_repro pair (a JSON record of "
                          "benchmarks/sweep_repro.py whose `rows` hold two sweeps)")
-    result = {"benchmark": "sweep_repro --rescore", "rule": "sweep_select.recommend as of this commit, min_noise 0.02",
+    result = {"benchmark": "sweep_repro --rescore", "rule": f"sweep_select.recommend as of this commit, min_noise {min_noise}, "
+                                                        f"pick margin {PICK_MARGIN} of the band",
               "pairs": sorted(pairs, key=lambda p: p["started"] or ""),
               "totals": {"pairs": len(pairs), "whole_pairs_reproduced": whole, "cells": cells,
                          "cells_reproduced": ok},

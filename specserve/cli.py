@@ -304,7 +304,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
                                    "specserve server (profiles added through its admin API) or against external "
                                    "servers started from a command template; repeat with rotated order; report "
                                    "median and spread of the TPOT speedup; recommend per (segment, concurrency) the "
-                                   "profile with the smallest k within the noise of the best. Writes sweep.json, "
+                                   "profile with the smallest k within half the noise band of the best. Writes sweep.json, "
                                    "recommended_profiles.json, table.txt and report.html; the last stdout line is JSON.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

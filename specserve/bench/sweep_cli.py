@@ -23,10 +23,11 @@ EPILOG = """examples:
 
 Profiles are named baseline, <method>_k<k> and <method>_adaptive (num_speculative_tokens = the largest
 --k, "num_speculative_tokens_schedule": "adaptive"). Speedup = baseline TPOT / profile TPOT in the same
-repeat; the recommendation per (segment, concurrency) is the smallest k within the noise of the best
-median (the baseline, k = 0, included): each profile is compared with the best in the same repeat, and
-the band is the largest relative half-range of those ratios over repeats, (max - min) / 2 / median,
-at least --min-noise. With --base-url, profiles more than --prune-margin below the best after the
+repeat; the recommendation per (segment, concurrency) is the smallest k within half the noise band of
+the best median (the baseline, k = 0, included): each profile is compared with the best in the same
+repeat, and the band is the largest relative half-range of those ratios over repeats, (max - min) / 2
+/ median, at least --min-noise. Profiles within the whole band are listed as as good as the best (a
+pick in the band's outer half would not survive a re-run's noise). With --base-url, profiles more than --prune-margin below the best after the
 first repeat are not run again in that (segment, concurrency) and are not recommended (off by
 default)."""
 

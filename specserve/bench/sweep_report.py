@@ -179,10 +179,11 @@ k {html.escape(', '.join(map(str, c['ks'])))}{' and adaptive' if c['adaptive'] e
 {c['num_prompts']} greedy requests per run, at least {c.get('min_waves', 1)} per concurrent stream (max_tokens
 {c['max_tokens']}), {c['repeats']} repeat(s), profile order rotated.</p>
 <p class="note">Speedup = baseline TPOT / profile TPOT, token-weighted, each against the baseline of the same repeat;
-median over repeats, [min-max] = spread. Recommended = the smallest k among the profiles within the noise of the
-best median: each profile's speedup over the best's in the same repeat, and noise band = the largest relative half-range
-(max - min) / 2 / median of those ratios over the (segment, concurrency)'s profiles, the baseline's included, at least
-{c['min_noise']}; a profile is within it when its median ratio is at least 1 - band. The baseline has k = 0.</p>
+median over repeats, [min-max] = spread. Each profile is compared with the best median through its speedup over the
+best's in the same repeat; noise band = the largest relative half-range (max - min) / 2 / median of those ratios over
+the (segment, concurrency)'s profiles, the baseline's included, at least {c['min_noise']}; a profile is as good as the
+best when its median ratio is at least 1 - band. Recommended = the smallest k among the profiles whose median ratio
+is at least 1 - band / 2 (the band's inner half, where a re-run's noise keeps it). The baseline has k = 0.</p>
 <h2>Recommendations</h2>{_rec_table(result)}
 <h2>All runs</h2>{_rows_table(result)}
 <h2>Plots</h2>{parts}
