@@ -45,7 +45,7 @@ the band's edge, where a re-run's ratios, which move by about the band, leave it
 sweep's band about as often as not: on the 13 recorded pairs (78 picks) the smallest k in the whole
 band reproduced 68 picks (5 pairs whole), the best median 76, and the smallest k in the inner half 75
 (10 pairs whole), with picks a median 1.4% below the best's speedup instead of 7.8%; a wider band
-(1.5-3x, or a floor of 5-15%) did not help (67-69 of 78), since it only moves the edge to a smaller k.
+(1.5-3x, or a floor of 10-15%) did not help (63-69 of 78), since it only moves the edge to a smaller k.
 The margin was chosen on those records (margins 0, 0.25, 0.5, 0.75 and 1 of the band: 76, 76, 75, 71
 and 68 picks; 0 is no preference for a smaller k at all, and 0.5 the widest margin that keeps 75), so
 they are its fit; pairs run after it are its check (docs/sweep-reproduction.md).
