@@ -26,10 +26,10 @@ Profiles are named baseline, <method>_k<k> and <method>_adaptive (num_speculativ
 repeat; the recommendation per (segment, concurrency) is the smallest k within half the noise band of
 the best median (the baseline, k = 0, included): each profile is compared with the best in the same
 repeat, and the band is the largest relative half-range of those ratios over repeats, (max - min) / 2
-/ median, at least --min-noise. Profiles within the whole band are listed as as good as the best (a
-pick in the band's outer half would not survive a re-run's noise). With --base-url, profiles more than --prune-margin below the best after the
-first repeat are not run again in that (segment, concurrency) and are not recommended (off by
-default)."""
+/ median, at least --min-noise. Every profile within the whole band is listed as good as the best;
+the pick keeps to the inner half, since a pick at the band's edge more often falls outside a re-run's
+band. With --base-url, profiles more than --prune-margin below the best after the first repeat are
+not run again in that (segment, concurrency) and are not recommended (off by default)."""
 
 
 def _csv(kind):

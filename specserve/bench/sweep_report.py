@@ -183,7 +183,8 @@ median over repeats, [min-max] = spread. Each profile is compared with the best 
 best's in the same repeat; noise band = the largest relative half-range (max - min) / 2 / median of those ratios over
 the (segment, concurrency)'s profiles, the baseline's included, at least {c['min_noise']}; a profile is as good as the
 best when its median ratio is at least 1 - band. Recommended = the smallest k among the profiles whose median ratio
-is at least 1 - band / 2 (the band's inner half, where a re-run's noise keeps it). The baseline has k = 0.</p>
+is at least 1 - band / 2 (the band's inner half: a pick at its edge more often falls outside a re-run's band). The
+baseline has k = 0.</p>
 <h2>Recommendations</h2>{_rec_table(result)}
 <h2>All runs</h2>{_rows_table(result)}
 <h2>Plots</h2>{parts}

@@ -41,10 +41,12 @@ host: there the same request's TPOT through the server reads about 40-45 ms in s
 (docs/sweep-reproduction.md, which tables every recorded pair).
 
 Why the inner half (session 22): a rule that takes the smallest k anywhere in the band puts its pick at
-the band's edge, where a re-run's ratios, which move by about the band, leave it outside the first
-sweep's band about as often as not: on the 13 recorded pairs (78 picks) the smallest k in the whole
-band reproduced 68 picks (5 pairs whole), the best median 76, and the smallest k in the inner half 75
-(10 pairs whole), with picks a median 1.4% below the best's speedup instead of 7.8%; a wider band
+the band's edge, where a re-run's ratios, which move by about the band, more often leave it outside
+the other sweep's band: on the 13 recorded pairs, with that rule, 28 of the 85 picks in their band's
+outer half fell outside the other sweep's band (each sweep's pick checked against the other's band),
+12 of the 71 in its inner half. Re-run picks within the first sweep's band: the smallest k in the
+whole band 68 of 78 (5 pairs whole), the best median 76, and the smallest k in the inner half 75 (10
+pairs whole), with picks a median 1.4% below the best's speedup instead of 7.8%; a wider band
 (1.5-3x, or a floor of 10-15%) did not help (63-69 of 78), since it only moves the edge to a smaller k.
 The margin was chosen on those records (margins 0, 0.25, 0.5, 0.75 and 1 of the band: 76, 76, 75, 71
 and 68 picks; 0 is no preference for a smaller k at all, and 0.5 the widest margin that keeps 75), so
