@@ -18,6 +18,10 @@ PROFILES = {
     "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 8, "num_speculative_tokens_schedule": "adaptive"},
 }
 
+# PROFILES with constant k 4 and 6 besides 2 and 8
+PROFILES_K2468 = {**PROFILES, "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4},
+                  "ngram_k6": {"method": "ngram", "num_speculative_tokens": 6}}
+
 
 def runs_from(tpot: dict, segment="code", concurrency=1, errors=None):
     """tpot: profile -> [TPOT ms per repeat]."""
@@ -66,8 +70,7 @@ def test_the_pick_lies_in_the_inner_half_of_the_band():
     # band 21% (k6 swings +-21% against the best, k8); k4 is 15% behind: as good as the best (within the
     # band) but in its outer half, where a re-run's ratios leave it outside as often as not; k6 (0.95x, the
     # median of its paired ratios) is in the inner half (>= 0.89): take k6, and report k4 within the noise
-    profiles = {**PROFILES, "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4},
-                "ngram_k6": {"method": "ngram", "num_speculative_tokens": 6}}
+    profiles = PROFILES_K2468
     rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k4": [50, 50], "ngram_k6": [42.5 / 1.15, 42.5 / 0.75],
                                      "ngram_k8": [42.5, 42.5]}))
     (rec,) = recommend(rows, profiles)
@@ -109,8 +112,7 @@ def test_consistency_of_a_rerun():
 def test_a_rerun_pick_in_the_outer_half_of_the_first_band_reproduces():
     # first sweep: band 21% (k6 swings), pick k6 (inner half); k4, 15% behind, is only in the outer half but
     # still as good as the best. A re-run that picks k4 reproduces the first within its reported spread
-    profiles = {**PROFILES, "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4},
-                "ngram_k6": {"method": "ngram", "num_speculative_tokens": 6}}
+    profiles = PROFILES_K2468
     first = recommend(summarize_runs(runs_from({"baseline": [100, 100], "ngram_k4": [50, 50],
                                                 "ngram_k6": [42.5 / 1.15, 42.5 / 0.75], "ngram_k8": [42.5, 42.5]})), profiles)
     # re-run: k4 now within 1% of the best (k8) with a 7% band; k6 far behind
@@ -148,8 +150,7 @@ def test_pruned_rows_are_never_recommended():
 def test_noise_band_is_pooled_over_the_group_and_relative():
     # k4's own repeats agree and k8's too, but k6 shows the machine's noise (+-20% of its median): the band of
     # every comparison in the group is that 20%, so k4 (0.85x the best's median) is as good as the best
-    profiles = {**PROFILES, "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4},
-                "ngram_k6": {"method": "ngram", "num_speculative_tokens": 6}}
+    profiles = PROFILES_K2468
     rows = summarize_runs(runs_from({"baseline": [100, 100], "ngram_k4": [50, 50], "ngram_k6": [50 / 1.2, 50 / 0.8],
                                      "ngram_k8": [42.5, 42.5]}))
     (rec,) = recommend(rows, profiles)
