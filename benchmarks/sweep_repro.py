@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8,
                     help="requests per run (one profile, segment, concurrency and repeat; the sweep's own "
                          "default is 4, with which the picks moved between re-runs in most pairs, code c=4 "
-                         "most often; with 8 the six pairs recorded reproduced 5-6 of 6 under the current rule, 4-6 under "
+                         "most often; with 8 the seven pairs recorded reproduced 5-6 of 6 under the current rule, 4-6 under "
                          "the rule before: docs/sweep-reproduction.md)")
     ap.add_argument("--min-waves", type=int, default=2,
                     help="requests per concurrent stream at least (the sweep's own default is 1; 2 gives the "

@@ -50,7 +50,8 @@ pairs whole), with picks a median 1.4% below the best's speedup instead of 7.8%;
 (1.5-3x, or a floor of 10-15%) did not help (63-69 of 78), since it only moves the edge to a smaller k.
 The margin was chosen on those records (margins 0, 0.25, 0.5, 0.75 and 1 of the band: 76, 76, 75, 71
 and 68 picks; 0 is no preference for a smaller k at all, and 0.5 the widest margin that keeps 75), so
-they are its fit; pairs run after it are its check (docs/sweep-reproduction.md).
+they are its fit; pairs run after it are its check (the first two, sweep_cpu_s22.json and
+sweep_cpu_s22b.json: 6 of 6 each, the paired rule 4 and 6; docs/sweep-reproduction.md).
 
 So speculation is recommended only where it beats the baseline by more than half the noise band, and a
 deeper k only where it beats a shallower one by more than half the band. A band of 2 or more (possible
