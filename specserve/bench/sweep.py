@@ -374,6 +374,8 @@ def run_sweep(cfg: SweepConfig, log_dir: Path) -> dict:
             raise ValueError(f"{flag} must be >= 1, got {low}")
     if not 0 <= cfg.prune_margin < 1:
         raise ValueError(f"--prune-margin must be in [0, 1), got {cfg.prune_margin}")
+    if not 0 <= cfg.min_noise < 1:
+        raise ValueError(f"--min-noise must be in [0, 1) (a fraction of the best's speedup), got {cfg.min_noise}")
     if cfg.server_cmd and cfg.prune_margin:
         raise ValueError("--prune-margin works with --base-url only: with --server-cmd each server runs all its "
                          "repeats before the next one starts, so no profile can be dropped after the first repeat")

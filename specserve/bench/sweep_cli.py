@@ -23,13 +23,15 @@ EPILOG = """examples:
 
 Profiles are named baseline, <method>_k<k> and <method>_adaptive (num_speculative_tokens = the largest
 --k, "num_speculative_tokens_schedule": "adaptive"). Speedup = baseline TPOT / profile TPOT in the same
-repeat; the recommendation per (segment, concurrency) is the smallest k within half the noise band of
-the best median (the baseline, k = 0, included): each profile is compared with the best in the same
-repeat, and the band is the largest relative half-range of those ratios over repeats, (max - min) / 2
-/ median, at least --min-noise. Every profile within the whole band is listed as good as the best;
-the pick keeps to the inner half, since a pick at the band's edge more often falls outside a re-run's
-band. With --base-url, profiles more than --prune-margin below the best after the first repeat are
-not run again in that (segment, concurrency) and are not recommended (off by default)."""
+repeat; the best is the profile with the highest median speedup. Each profile is compared with the
+best in the same repeat (its speedup over the best's there), and the noise band is the largest relative
+half-range of those ratios over repeats, (max - min) / 2 / median, at least --min-noise. Every profile
+whose median ratio is at least 1 - band is as good as the best (listed in each "recommended for" line);
+the recommendation per (segment, concurrency) is the smallest k among those whose median ratio is at
+least 1 - band / 2 (the baseline has k = 0; an adaptive profile counts with its maximum k and wins a
+tie of k against a constant one): a pick at the band's edge more often falls outside a re-run's band.
+With --base-url, profiles more than --prune-margin below the best after the first repeat are not run
+again in that (segment, concurrency) and are not recommended (off by default)."""
 
 
 def _csv(kind):
@@ -88,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sample seed (same seed, same requests)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up requests per profile, not counted (default 1)")
     p.add_argument("--min-noise", type=float, default=0.02,
-                   help="smallest noise band, a fraction of the best (default 0.02 = 2%%)")
+                   help="smallest noise band, a fraction of the best, in [0, 1) (default 0.02 = 2%%)")
     p.add_argument("--prune-margin", type=float, default=0.0,
                    help="with --base-url: after the first repeat of a (segment, concurrency), stop running the "
                         "profiles whose speedup is more than this fraction below the best there (default 0: off, "

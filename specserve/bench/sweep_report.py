@@ -67,7 +67,9 @@ def print_table(result: dict, file=None) -> None:
         con.print(t)
     for r in recs:
         con.print(f"recommended for {r['segment']} at c={r['concurrency']}: {r['profile']} "
-                  f"({r['speedup']:.2f}x, spread {r['spread'][0]:.2f}-{r['spread'][1]:.2f}; {r['reason']})")
+                  f"({r['speedup']:.2f}x, spread {r['spread'][0]:.2f}-{r['spread'][1]:.2f}; {r['reason']}"
+                  + (f"; noise band {r['noise']:.0%}, as good as the best: {', '.join(r['within_noise'])}"
+                     if "within_noise" in r else "") + ")", soft_wrap=True)
 
 
 def speedup_figures(result: dict) -> list[go.Figure]:

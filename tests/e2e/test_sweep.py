@@ -110,5 +110,8 @@ def test_sweep_usage_errors(capsys):
     assert "--prune-margin works with --base-url only" in capsys.readouterr().err
     assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--prune-margin", "1.5"]) == 2
     assert "--prune-margin must be in [0, 1)" in capsys.readouterr().err
+    for bad in ("-0.5", "2", "nan"):
+        assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--min-noise", bad]) == 2
+        assert "--min-noise must be in [0, 1)" in capsys.readouterr().err
     assert main(["sweep", "--base-url", "http://127.0.0.1:9/v1", "--admin-token", "x"]) == 2
     assert "cannot reach" in capsys.readouterr().err
