@@ -1,7 +1,8 @@
 """The sweep's console table and self-contained HTML report (plotly.js inlined once, works offline).
 
 What it does: `print_table` prints one table per segment: every profile's median TPOT speedup with its
-spread over repeats, per concurrency, the recommended profile marked; `write_html` renders the
+spread over repeats, per concurrency, the recommended profile marked, then one line per (segment,
+concurrency) with the pick, why, the noise band and the profiles as good as the best; `write_html` renders the
 recommendations, the full table and three kinds of plots: TPOT speedup vs concurrency per segment,
 acceptance by draft position per segment, and latency (TPOT) vs throughput with the Pareto front per
 segment. What it does not do: run anything or choose anything (`sweep.py`, `sweep_select.py`).
