@@ -232,10 +232,11 @@ def recommend(rows: list[dict], profiles: dict[str, dict | None], min_noise: flo
             continue
         best = max(group, key=lambda r: r["speedup"]["median"])
         rel = {r["profile"]: _relative_to(r, best) for r in group}
+        ratio = {p: statistics.median(v) for p, v in rel.items()}  # median ratio to the best
         noise = max([min_noise] + [_band(r, rel[r["profile"]]) for r in group])
-        close = [r for r in group if statistics.median(rel[r["profile"]]) >= 1 - noise]
+        close = [r for r in group if ratio[r["profile"]] >= 1 - noise]
         margin = PICK_MARGIN * noise
-        inner = [r for r in close if statistics.median(rel[r["profile"]]) >= 1 - margin]
+        inner = [r for r in close if ratio[r["profile"]] >= 1 - margin]
         pick = min(inner, key=lambda r: (k_key(r["profile"]), -r["speedup"]["median"]))
         if pick is best:
             why = "highest median TPOT speedup"
